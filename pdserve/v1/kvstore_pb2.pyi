@@ -1,0 +1,105 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutBlockRequest(_message.Message):
+    __slots__ = ("request_id", "block_hash", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_hash: bytes
+    data: bytes
+    def __init__(self, request_id: _Optional[str] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutBlocksResponse(_message.Message):
+    __slots__ = ("stored", "already_present", "rejected")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_present: int
+    rejected: int
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class GetBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "block_hashes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVBlock(_message.Message):
+    __slots__ = ("block_hash", "data", "missing")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    data: bytes
+    missing: bool
+    def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_blocks", "present")
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    prefix_blocks: int
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, prefix_blocks: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "drop")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    drop: bool
+    def __init__(self, request_id: _Optional[str] = ..., drop: _Optional[bool] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class KVStoreStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVStoreStats(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "num_pinned", "num_leases", "puts", "gets", "hits", "misses", "evictions", "bytes_in", "bytes_out")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    num_pinned: int
+    num_leases: int
+    puts: int
+    gets: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_in: int
+    bytes_out: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_leases: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
