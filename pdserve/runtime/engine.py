@@ -1,0 +1,166 @@
+"""Engine: the serving loop of one worker. One step = schedule, run, postprocess.
+
+    add_request ──▶ Scheduler.waiting ──schedule()──▶ SchedulerOutput
+        ──ModelRunner.run()──▶ logits ──sample()──▶ tokens appended, stop checks
+        ──▶ StepOutput per request (new tokens, finish reason); finished blocks freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.runtime.block_manager import BlockManager
+from pdserve.runtime.config import EngineConfig, ModelConfig
+from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.model import LlamaModel
+from pdserve.runtime.model_runner import ModelRunner
+from pdserve.runtime.sampler import sample
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.scheduler import Scheduler, SchedulerOutput
+from pdserve.runtime.sequence import Sequence, SequenceStatus, TokenLogprob
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (empty, too long, bad token ids); the message says why."""
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; the client should retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str  # "" while running, then "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    max_batch_size: int = 0
+    batch_size_counts: dict[int, int] | None = None
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], fingerprint: str,
+                 config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_config = model_config
+        self.fingerprint = fingerprint
+        cache = self.config.cache
+        self.block_manager = BlockManager(cache.num_blocks, cache.block_size, fingerprint, cache.dtype)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
+        model = LlamaModel(model_config, weights, self.config.device)
+        self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats(batch_size_counts={})
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None) -> "Engine":
+        return cls(checkpoint.config, checkpoint.weights, checkpoint.fingerprint, config)
+
+    # ---- requests -------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError with a message a person can act on."""
+        c = self.model_config
+        if not prompt_ids:
+            raise RequestError("prompt is empty: send at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= c.vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {c.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > c.max_position_embeddings:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the"
+                f" context window of {c.max_position_embeddings} tokens: shorten the prompt or lower max_tokens")
+        if self.block_manager.blocks_for(total) > self.block_manager.num_blocks:
+            raise RequestError(f"request needs {total} tokens of KV but the cache holds only"
+                               f" {self.block_manager.num_blocks * self.block_manager.block_size}")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already running")
+        self.validate(prompt_ids, params)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait: retry later")
+        seq = Sequence(request_id, list(prompt_ids), params)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.run(out)  # [S, V]
+        sampling = self._advance(out)
+        self._record_batch(len(out.scheduled))
+        results = sample(logits, sampling)
+        return [self._postprocess(seq, tok, lp) for seq, (tok, lp) in zip(sampling, results)]
+
+    def _advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """Marks the step's tokens computed; returns the sequences that sample, in row order."""
+        sampling = []
+        for s in out.scheduled:
+            if s.samples:
+                sampling.append(s.seq)
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit_full_blocks(s.seq)
+        return sampling
+
+    def _postprocess(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
+        seq.output_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.stats.tokens_generated += 1
+        reason = self._finish_reason(seq, token)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self.seqs.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, [token], [lp] if lp else [], bool(reason), reason,
+                          len(seq.prompt_ids), seq.num_cached_tokens)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str:
+        p = seq.params
+        if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens:
+            return "length"
+        return ""
+
+    def _record_batch(self, size: int) -> None:
+        s = self.stats
+        s.steps += 1
+        s.max_batch_size = max(s.max_batch_size, size)
+        s.batch_size_counts[size] = s.batch_size_counts.get(size, 0) + 1
+
+    # ---- conveniences ---------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Runs `prompts` to completion with continuous batching; returns finished sequences."""
+        seqs = [self.add_request(f"gen-{id(self)}-{i}", p, params) for i, p in enumerate(prompts)]
+        while self.has_unfinished():
+            self.step()
+        return seqs
+
+    def check_leaks(self) -> None:
+        live = [s for s in self.seqs.values() if s.status is not SequenceStatus.FINISHED]
+        self.block_manager.check_leaks(live)

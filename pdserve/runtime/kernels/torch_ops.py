@@ -1,0 +1,125 @@
+"""Torch implementations of the runtime's kernels: the CPU path and the reference for CUDA.
+
+The paged KV cache `kv_cache` is `[num_blocks, layers, 2, block_size, KVH, D]` (0 = keys,
+1 = values), so one block of one sequence is one contiguous slab across all layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [N, hidden] -> [N, hidden]; normalised in fp32 as the reference does."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rope_cos_sin(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables of the rotate-half RoPE convention: cos, sin each [max_positions, head_dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [N, H, D], k: [N, KVH, D], positions: [N] -> rotated (q, k)."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)  # [N, 1, D]
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [N, 2 * I] (gate first) -> silu(gate) * up: [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(
+    kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatters k, v: [N, KVH, D] into their slots (slot = block_id * block_size + offset)."""
+    num_blocks, _, _, block_size = kv_cache.shape[:4]
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    kv_cache[block_ids, layer, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[block_ids, layer, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def _gather_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_table: [..., MB] -> keys, values: [..., MB * block_size, KVH, D]."""
+    blocks = kv_cache[block_table, layer]  # [..., MB, 2, BS, KVH, D]
+    *lead, mb, _, bs, kvh, d = blocks.shape
+    k = blocks[..., 0, :, :, :].reshape(*lead, mb * bs, kvh, d)
+    v = blocks[..., 1, :, :, :].reshape(*lead, mb * bs, kvh, d)
+    return k, v
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context.
+
+    q: [B, H, D]; block_tables: [B, MB] (padded); context_lens: [B] -> out [B, H, D].
+    """
+    k, v = _gather_kv(kv_cache, layer, block_tables)  # [B, T, KVH, D]
+    t = k.shape[1]
+    valid = torch.arange(t, device=q.device)[None, :] < context_lens[:, None]  # [B, T]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        k.transpose(1, 2).to(q.dtype),  # [B, KVH, T, D]
+        v.transpose(1, 2).to(q.dtype),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its cached prefix plus themselves.
+
+    q: [n, H, D] are the last n positions of a context of `context_len` tokens whose keys
+    and values are already written into the blocks of `block_table` ([MB]) -> out [n, H, D].
+    """
+    n = q.shape[0]
+    num_blocks = -(-context_len // kv_cache.shape[3])
+    k, v = _gather_kv(kv_cache, layer, block_table[:num_blocks])  # [T', KVH, D]
+    k, v = k[:context_len].transpose(0, 1), v[:context_len].transpose(0, 1)  # [KVH, T, D]
+    q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos  # [n, T]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )  # [H, n, D]
+    return out.transpose(0, 1)
