@@ -1,0 +1,104 @@
+"""gRPC servicer of pdserve.v1.KVStore: converts protobuf messages to MemoryBlockStore calls.
+
+Blocks travel one per message in both directions (PutBlocks client-streaming, GetBlocks
+server-streaming) so bulk transfers never build one giant message. The service treats block
+data as opaque bytes; it only checks the wire header's magic, version and length so that garbage
+is refused at the door (readers still verify the checksum and the model fingerprint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvstore.store import MemoryBlockStore, PutOutcome, StoreFullError
+from pdserve.grpc_server import abort_on
+from pdserve.kvwire import HEADER_SIZE, KVBlockError, read_header
+from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+def check_block_data(data: bytes) -> None:
+    """Raise KVBlockError unless `data` has a valid wire header and exactly its payload length."""
+    header = read_header(data)
+    if len(data) != HEADER_SIZE + header.payload_len:
+        raise KVBlockError(
+            f"block is {len(data)} bytes, header says {HEADER_SIZE + header.payload_len}")
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    """Serves one MemoryBlockStore."""
+
+    def __init__(self, store: MemoryBlockStore) -> None:
+        self.store = store
+
+    @abort_on()
+    async def PutBlocks(self, request_iterator: AsyncIterator[kvstore_pb2.PutBlockRequest],
+                        context: grpc.aio.ServicerContext) -> kvstore_pb2.PutBlocksResponse:
+        response = kvstore_pb2.PutBlocksResponse()
+        async for request in request_iterator:
+            outcome = self._put_one(request)
+            if outcome is PutOutcome.STORED:
+                response.stored += 1
+            elif outcome is PutOutcome.ALREADY_PRESENT:
+                response.already_present += 1
+            else:
+                response.rejected += 1
+        return response
+
+    def _put_one(self, request: kvstore_pb2.PutBlockRequest) -> PutOutcome | None:
+        """Store one block; None when it is rejected (the stream goes on with the next one)."""
+        try:
+            if not request.block_hash:
+                raise KVBlockError("empty block_hash")
+            check_block_data(request.data)
+            return self.store.put(request.block_hash, request.data, lease=request.request_id)
+        except KVBlockError as exc:
+            log.warning("rejected block %s of %r: %s", request.block_hash.hex(), request.request_id, exc)
+        except StoreFullError as exc:
+            log.warning("rejected block %s of %r: %s", request.block_hash.hex(), request.request_id, exc)
+        return None
+
+    @abort_on()
+    async def GetBlocks(self, request: kvstore_pb2.GetBlocksRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[kvstore_pb2.KVBlock]:
+        # Fetch (and pin) everything up front: the bytes are immutable, so later evictions
+        # cannot change what this stream sends.
+        found = self.store.get(list(request.block_hashes), lease=request.request_id)
+        for block_hash, data in zip(request.block_hashes, found):
+            if data is None:
+                yield kvstore_pb2.KVBlock(block_hash=block_hash, missing=True)
+            else:
+                yield kvstore_pb2.KVBlock(block_hash=block_hash, data=data)
+
+    @abort_on()
+    async def Lookup(self, request: kvstore_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
+        present = self.store.presence(request.block_hashes)
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return kvstore_pb2.LookupResponse(prefix_blocks=prefix, present=present)
+
+    @abort_on()
+    async def Release(self, request: kvstore_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> kvstore_pb2.ReleaseResponse:
+        if not request.request_id:
+            raise ValueError("request_id is required")
+        return kvstore_pb2.ReleaseResponse(released=self.store.release(request.request_id, request.drop))
+
+    @abort_on()
+    async def Stats(self, request: kvstore_pb2.KVStoreStatsRequest,
+                    context: grpc.aio.ServicerContext) -> kvstore_pb2.KVStoreStats:
+        return kvstore_pb2.KVStoreStats(**dataclasses.asdict(self.store.stats()))
+
+
+def add_to_server(store: MemoryBlockStore, server: grpc.aio.Server) -> KVStoreServicer:
+    """Register a servicer of `store` on `server` and return it."""
+    servicer = KVStoreServicer(store)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,276 @@
+"""In-memory, content-addressed store of encoded KV blocks with LRU eviction and leases.
+
+Keys are block content hashes, values the wire-encoded block bytes (opaque here). Blocks are
+immutable: putting a hash that is already stored is a no-op. A *lease* (the request id) pins the
+blocks it puts or gets so they survive eviction between prefill writing them and decode reading
+them; it ends with `release` or, if its owner disappeared, `lease_ttl_s` after its last use.
+
+Only unpinned blocks are evicted, least recently used first (a put, a get hit, or the end of the
+last pin counts as a use; `lookup` does not, so probing never keeps blocks alive). Capacity counts
+block data bytes only.
+
+Not thread-safe: the gRPC service calls it from its single asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class StoreFullError(Exception):
+    """A put does not fit even after evicting every unpinned block."""
+
+
+class PutOutcome(Enum):
+    STORED = "stored"
+    ALREADY_PRESENT = "already_present"
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Occupancy and counters of the store (mirrors pdserve.v1.KVStoreStats)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    num_pinned: int
+    num_leases: int
+    puts: int  # blocks newly stored
+    gets: int  # blocks requested
+    hits: int
+    misses: int
+    evictions: int
+    bytes_in: int  # data bytes of accepted puts (stored or already present)
+    bytes_out: int  # data bytes returned by gets
+
+
+@dataclass(slots=True)
+class _Entry:
+    data: bytes
+    pins: int = 0  # number of leases pinning the block
+    owner: str = ""  # the lease that stored it ("" = none)
+    shared: bool = False  # someone besides the owner put or got it: drop must keep it
+
+
+@dataclass(slots=True)
+class _Lease:
+    expires_at: float
+    # Pinned blocks in pin order (a dict, not a set, so release order and thus LRU order are
+    # deterministic).
+    blocks: dict[bytes, None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Counters:
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class MemoryBlockStore:
+    """Content-addressed block store bounded by `capacity_bytes`; see the module docstring."""
+
+    def __init__(self, capacity_bytes: int, lease_ttl_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        self.capacity_bytes = capacity_bytes
+        self.lease_ttl_s = lease_ttl_s
+        self._clock = clock
+        self._blocks: dict[bytes, _Entry] = {}
+        # Unpinned blocks only, least recently used first: eviction pops from the front in O(1).
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        # Ordered by expiry: the TTL is fixed, so a refreshed lease always moves to the end.
+        self._leases: OrderedDict[str, _Lease] = OrderedDict()
+        self._used_bytes = 0
+        self._unpinned_bytes = 0
+        self._counters = _Counters()
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def put(self, block_hash: bytes, data: bytes, lease: str = "") -> PutOutcome:
+        """Store `data` under `block_hash` (no-op if present), pinned under `lease` when given.
+
+        Raises StoreFullError when the block cannot fit without evicting pinned blocks.
+        """
+        _check_hash(block_hash)
+        self._expire_leases()
+        entry = self._blocks.get(block_hash)
+        if entry is not None:
+            outcome = PutOutcome.ALREADY_PRESENT
+            self._mark_use(block_hash, entry, lease)
+        else:
+            outcome = PutOutcome.STORED
+            entry = self._insert(block_hash, bytes(data), lease)
+            self._counters.puts += 1
+        self._counters.bytes_in += len(entry.data)
+        if lease:
+            self._pin(lease, block_hash, entry)
+        return outcome
+
+    def get(self, hashes: Sequence[bytes], lease: str = "") -> list[bytes | None]:
+        """Data of each hash in order (None when missing); hits are pinned under `lease` if given."""
+        for block_hash in hashes:
+            _check_hash(block_hash)
+        self._expire_leases()
+        found: list[bytes | None] = []
+        for block_hash in hashes:
+            entry = self._blocks.get(block_hash)
+            found.append(None if entry is None else entry.data)
+            if entry is None:
+                continue
+            self._mark_use(block_hash, entry, lease)
+            if lease:
+                self._pin(lease, block_hash, entry)
+            self._counters.bytes_out += len(entry.data)
+        hits = sum(data is not None for data in found)
+        self._counters.gets += len(hashes)
+        self._counters.hits += hits
+        self._counters.misses += len(hashes) - hits
+        if lease in self._leases:
+            self._touch_lease(lease)  # any activity keeps a live lease alive, even all misses
+        return found
+
+    def presence(self, hashes: Iterable[bytes]) -> list[bool]:
+        """Whether each hash is stored; does not count as a use."""
+        self._expire_leases()
+        return [block_hash in self._blocks for block_hash in hashes]
+
+    def lookup(self, hashes: Iterable[bytes]) -> int:
+        """Number of leading hashes that are stored (the reusable prefix)."""
+        count = 0
+        for present in self.presence(hashes):
+            if not present:
+                break
+            count += 1
+        return count
+
+    def release(self, lease: str, drop: bool = False) -> int:
+        """End `lease`: unpin its blocks and return how many it pinned.
+
+        With `drop` (the cancel path), also delete its blocks that no other lease ever used
+        and that nothing else pins.
+        """
+        self._expire_leases()
+        record = self._leases.pop(lease, None)
+        if record is None:
+            return 0
+        for block_hash in record.blocks:
+            entry = self._blocks[block_hash]
+            self._unpin(block_hash, entry)
+            if drop and entry.owner == lease and not entry.shared and entry.pins == 0:
+                self._delete(block_hash)
+        return len(record.blocks)
+
+    def stats(self) -> StoreStats:
+        self._expire_leases()
+        c = self._counters
+        return StoreStats(
+            capacity_bytes=self.capacity_bytes, used_bytes=self._used_bytes,
+            num_blocks=len(self._blocks), num_pinned=len(self._blocks) - len(self._lru),
+            num_leases=len(self._leases), puts=c.puts, gets=c.gets, hits=c.hits,
+            misses=c.misses, evictions=c.evictions, bytes_in=c.bytes_in, bytes_out=c.bytes_out)
+
+    def check_consistency(self) -> None:
+        """Assert the internal bookkeeping adds up (tests call it to catch leaks)."""
+        assert self._used_bytes == sum(len(e.data) for e in self._blocks.values()), "used_bytes drift"
+        assert self._used_bytes <= self.capacity_bytes, "over capacity"
+        pins: dict[bytes, int] = {}
+        for record in self._leases.values():
+            for block_hash in record.blocks:
+                assert block_hash in self._blocks, "lease pins a deleted block"
+                pins[block_hash] = pins.get(block_hash, 0) + 1
+        for block_hash, entry in self._blocks.items():
+            assert entry.pins == pins.get(block_hash, 0), f"pin count drift on {block_hash.hex()}"
+            assert (entry.pins == 0) == (block_hash in self._lru), "LRU holds a pinned block"
+        assert set(self._lru) <= set(self._blocks), "LRU holds a deleted block"
+        unpinned = sum(len(self._blocks[h].data) for h in self._lru)
+        assert self._unpinned_bytes == unpinned, "unpinned_bytes drift"
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _insert(self, block_hash: bytes, data: bytes, lease: str) -> _Entry:
+        self._make_room(len(data))
+        entry = _Entry(data=data, owner=lease)
+        self._blocks[block_hash] = entry
+        self._lru[block_hash] = None
+        self._used_bytes += len(data)
+        self._unpinned_bytes += len(data)
+        return entry
+
+    def _make_room(self, size: int) -> None:
+        pinned_bytes = self._used_bytes - self._unpinned_bytes
+        # Check first so a put that cannot succeed does not evict anything on its way out.
+        if pinned_bytes + size > self.capacity_bytes:
+            raise StoreFullError(
+                f"block of {size} bytes does not fit: {pinned_bytes} of {self.capacity_bytes} "
+                f"bytes are pinned by {len(self._leases)} leases")
+        while self._used_bytes + size > self.capacity_bytes:
+            victim, _ = self._lru.popitem(last=False)
+            self._delete(victim, in_lru=False)
+            self._counters.evictions += 1
+
+    def _delete(self, block_hash: bytes, in_lru: bool = True) -> None:
+        entry = self._blocks.pop(block_hash)
+        if in_lru:
+            del self._lru[block_hash]
+        self._used_bytes -= len(entry.data)
+        self._unpinned_bytes -= len(entry.data)
+
+    def _mark_use(self, block_hash: bytes, entry: _Entry, user: str) -> None:
+        if user != entry.owner or not user:
+            entry.shared = True
+        if block_hash in self._lru:
+            self._lru.move_to_end(block_hash)
+
+    def _pin(self, lease: str, block_hash: bytes, entry: _Entry) -> None:
+        record = self._touch_lease(lease)
+        if block_hash in record.blocks:
+            return
+        record.blocks[block_hash] = None
+        if entry.pins == 0:
+            del self._lru[block_hash]
+            self._unpinned_bytes -= len(entry.data)
+        entry.pins += 1
+
+    def _unpin(self, block_hash: bytes, entry: _Entry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0:
+            self._lru[block_hash] = None  # most recently used: its reader just finished
+            self._unpinned_bytes += len(entry.data)
+
+    def _touch_lease(self, lease: str) -> _Lease:
+        """Create or refresh `lease`, moving its expiry to now + TTL."""
+        expires_at = self._clock() + self.lease_ttl_s
+        record = self._leases.get(lease)
+        if record is None:
+            record = self._leases[lease] = _Lease(expires_at)
+        else:
+            record.expires_at = expires_at
+            self._leases.move_to_end(lease)
+        return record
+
+    def _expire_leases(self) -> None:
+        now = self._clock()
+        while self._leases:
+            lease, record = next(iter(self._leases.items()))
+            if record.expires_at > now:
+                break
+            del self._leases[lease]
+            for block_hash in record.blocks:
+                self._unpin(block_hash, self._blocks[block_hash])
+
+
+def _check_hash(block_hash: bytes) -> None:
+    if not block_hash:
+        raise ValueError("block hash is empty")

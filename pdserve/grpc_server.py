@@ -1,0 +1,172 @@
+"""What every pdserve gRPC service shares: server start/stop, health, reflection, error mapping.
+
+Each service (gateway, prefill, decode, kvstore) starts its grpc.aio server through
+`start_server`, so all of them answer `grpc.health.v1.Health` and server reflection the same way,
+accept the same message sizes as the channels made by `grpc_channel`, and stop the same way.
+Servicer methods wrap themselves in `abort_on` so bad input becomes a gRPC status with a one-line
+message instead of a Python traceback in the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+# Health servicers of the servers started here, so stop_server can flip them to NOT_SERVING
+# before draining (load balancers stop routing to a server that says it is going away).
+_health_of: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = \
+    weakref.WeakKeyDictionary()
+
+
+def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC channel/server options raising both message size limits to `max_message_bytes`."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+async def start_server(
+    bind: str,
+    add_servicers: Callable[[grpc.aio.Server], None],
+    service_names: Sequence[str],
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on `bind` ("host:port"; port 0 picks a free one).
+
+    `add_servicers` registers the service's servicers; `service_names` are their full names
+    (e.g. "pdserve.v1.KVStore"), marked SERVING in health and listed by reflection.
+    Returns the started server and the port it is bound to.
+    """
+    server = grpc.aio.server(options=message_size_options(max_message_bytes))
+    add_servicers(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = _bind(server, bind)
+    await server.start()
+    for name in [health.OVERALL_HEALTH, *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _health_of[server] = health_servicer
+    log.info("serving %s on %s (port %d)", ", ".join(service_names), bind, port)
+    return server, port
+
+
+def _bind(server: grpc.aio.Server, bind: str) -> int:
+    # Depending on the grpc version a failed bind returns 0 or raises; make both one clear error.
+    try:
+        port = server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind gRPC server to {bind!r}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {bind!r}")
+    return port
+
+
+async def stop_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Report NOT_SERVING, then stop accepting calls and let running ones finish for `grace_s`."""
+    health_servicer = _health_of.pop(server, None)
+    if health_servicer is not None:
+        await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Run until SIGINT or SIGTERM arrives, then stop gracefully."""
+    # Not server.wait_for_termination(): cancelling that wait cancels grpc's shared shutdown
+    # future, which then makes server.stop() raise CancelledError.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.info("stopping gRPC server (grace %.1f s)", grace_s)
+        await stop_server(server, grace_s)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def grpc_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An insecure aio channel to `target` accepting the same message sizes as our servers."""
+    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+
+
+class ServiceError(Exception):
+    """Raise from a servicer to fail the call with a chosen status code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+DEFAULT_ERROR_CODES: Mapping[type[BaseException], grpc.StatusCode] = {
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    KeyError: grpc.StatusCode.NOT_FOUND,
+    TimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NotImplementedError: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+def _status_for(exc: Exception, codes: Mapping[type[BaseException], grpc.StatusCode]
+                ) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ServiceError):
+        return exc.code, str(exc)
+    for exc_type, code in codes.items():
+        if isinstance(exc, exc_type):
+            # KeyError's str() is the repr of the key; use the bare argument.
+            detail = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+            return code, detail or type(exc).__name__
+    log.exception("unexpected error in gRPC handler")
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
+
+
+def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERROR_CODES
+             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate an async servicer method so exceptions end the call with a status, no traceback.
+
+    Exceptions are matched against `codes` in order (default: ValueError → INVALID_ARGUMENT,
+    KeyError → NOT_FOUND, ...); `ServiceError` carries its own code; anything else is logged here
+    and reported as INTERNAL. Works for unary and streaming handlers (async generators too).
+    The handler must take (self, request_or_iterator, context).
+    """
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(method):
+            @functools.wraps(method)
+            async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    async for item in method(self, request, context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise  # the handler already chose a status
+                except Exception as exc:  # noqa: BLE001 - turned into a status below
+                    await context.abort(*_status_for(exc, codes))
+            return stream_wrapper
+
+        @functools.wraps(method)
+        async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await method(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await context.abort(*_status_for(exc, codes))
+        return unary_wrapper
+    return decorate
