@@ -45,6 +45,7 @@ class StepOutput:
 class EngineStats:
     steps: int = 0
     tokens_generated: int = 0
+    tokens_computed: int = 0  # tokens run through the model (prefill chunks + decodes)
     max_batch_size: int = 0
     batch_size_counts: dict[int, int] | None = None
 
@@ -63,6 +64,8 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats(batch_size_counts={})
+        self.keep_logits = False  # tests and debugging: keep the last step's logits
+        self.last_logits: torch.Tensor | None = None  # [S, V], rows in the order of step()'s outputs
 
     @classmethod
     def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None) -> "Engine":
@@ -112,8 +115,11 @@ class Engine:
         if out.is_empty:
             return []
         logits = self.runner.run(out)  # [S, V]
+        if self.keep_logits:
+            self.last_logits = logits
         sampling = self._advance(out)
         self._record_batch(len(out.scheduled))
+        self.stats.tokens_computed += sum(s.num_new_tokens for s in out.scheduled)
         results = sample(logits, sampling)
         return [self._postprocess(seq, tok, lp) for seq, (tok, lp) in zip(sampling, results)]
 

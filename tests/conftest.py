@@ -1,0 +1,89 @@
+"""Shared fixtures: engines built from small random HF models, with a KV leak check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.runtime.engine import Engine
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES_GGUF = REPO.parent / "shared" / "models" / "stories260K" / "stories260K.gguf"
+
+
+def model_config_from_hf(hf_config, architecture: str) -> ModelConfig:
+    """The ModelConfig of a transformers config object (tests build models in memory)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    heads = hf_config.num_attention_heads
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tie_word_embeddings=hf_config.tie_word_embeddings,
+        attention_bias=architecture == "qwen2",
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+
+
+def random_hf_model(architecture: str = "llama", seed: int = 0, **overrides):
+    """A tiny random transformers model (GQA) in eval mode, fp32."""
+    import transformers
+
+    cls_config, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[architecture]
+    kwargs = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if architecture == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = cls_model(cls_config(**kwargs)).eval()
+    # Random init leaves q/k/v biases at zero; make them count.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine() -> Iterator[EngineFactory]:
+    """Builds engines; after the test, every engine must pass the KV leak check and be idle."""
+    engines: list[Engine] = []
+
+    def factory(model_config: ModelConfig, weights: dict, *, num_blocks: int = 256, block_size: int = 16,
+                max_num_seqs: int = 32, max_num_batched_tokens: int = 512, fingerprint: str = "f" * 32) -> Engine:
+        config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                        max_num_batched_tokens=max_num_batched_tokens))
+        engine = Engine(model_config, weights, fingerprint, config)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.check_leaks()
+        if not engine.has_unfinished():
+            bm = engine.block_manager
+            assert bm.num_free_blocks == bm.num_blocks, "idle engine still holds referenced blocks"
