@@ -1,0 +1,177 @@
+"""GGUF (llama.cpp) checkpoints of architecture "llama": hyper-parameters, weights, tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from pdserve.runtime.config import ConfigError, ModelConfig
+from pdserve.runtime.loader import ModelLoadError
+from pdserve.runtime.tokenizer import GGUFTokenizer
+
+UNSET_ID = 0xFFFFFFFF  # llama.cpp writes this for "no such token"
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+# GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer, list[Path]]:
+    reader = _open(path)
+    meta = _Metadata(path, reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
+    tokenizer = read_tokenizer(meta)
+    config = read_config(meta, reader, tokenizer)
+    weights = read_weights(path, reader, config, dtype)
+    return config, weights, tokenizer, [path]
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/... on any malformed byte
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+
+
+class _Metadata:
+    """Typed access to a GGUF file's key-value metadata, with errors that name the file."""
+
+    def __init__(self, path: Path, reader: GGUFReader) -> None:
+        self.path, self._fields = path, reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: missing GGUF metadata key {key}")
+        return value
+
+    def token_id(self, key: str) -> int | None:
+        value = self.get(key)
+        return None if value is None or int(value) == UNSET_ID else int(value)
+
+
+def read_tokenizer(meta: _Metadata) -> GGUFTokenizer:
+    model = meta.get("tokenizer.ggml.model")
+    if model != "llama":
+        raise ModelLoadError(f"{meta.path}: unsupported GGUF tokenizer model {model!r} "
+                             "(only the sentencepiece 'llama' vocabulary is supported)")
+    tokens = meta.require("tokenizer.ggml.tokens")
+    eos = meta.token_id("tokenizer.ggml.eos_token_id")
+    eot = meta.token_id("tokenizer.ggml.eot_token_id")  # chat models end turns with it
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    return GGUFTokenizer(
+        tokens=tokens,
+        scores=meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)),
+        token_types=meta.get("tokenizer.ggml.token_type", []),
+        bos_id=meta.token_id("tokenizer.ggml.bos_token_id"),
+        eos_ids=eos_ids,
+        unk_id=meta.token_id("tokenizer.ggml.unknown_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -> ModelConfig:
+    hidden = int(meta.require("llama.embedding_length"))
+    heads = int(meta.require("llama.attention.head_count"))
+    scaling = meta.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{meta.path}: unsupported RoPE scaling {scaling!r}")
+    try:
+        return ModelConfig(
+            architecture="llama",
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(meta.require("llama.feed_forward_length")),
+            num_layers=int(meta.require("llama.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
+            head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
+            rms_norm_eps=_float32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_float32(meta.get("llama.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+            attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+            bos_token_id=tokenizer.bos_id,
+            eos_token_ids=tokenizer.eos_ids,
+        )
+    except ConfigError as e:
+        raise ModelLoadError(f"{meta.path}: {e}") from e
+
+
+def _float32(value: float) -> float:
+    """GGUF stores float32: 1e-5 reads back as 9.99999974e-06; keep the value that was meant."""
+    return float(str(np.float32(value)))
+
+
+def read_weights(path: Path, reader: GGUFReader, config: ModelConfig,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue  # e.g. rope_freqs: not a weight of the HF model
+        if t.tensor_type not in _FLOAT_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}; "
+                                 "only F32, F16 and BF16 are supported (no quantized GGUF)")
+        w = _to_torch(t).to(dtype)
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rope_rows(w, config.num_heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rope_rows(w, config.num_kv_heads)
+        weights[name] = w.contiguous()
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)  # "blk", "{i}", rest
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _to_torch(t: Any) -> torch.Tensor:
+    """The tensor in numpy's (row-major) order: GGUF lists dims fastest-first, so reverse them."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = np.asarray(t.data)
+    if t.tensor_type == GGMLQuantizationType.BF16:
+        # numpy has no bfloat16: the reader hands out raw bytes; reinterpret them.
+        raw = torch.from_numpy(data.reshape(-1).view(np.int16).copy())
+        return raw.view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(data.copy()).reshape(shape)
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs -> HF's rotate-half halves).
+
+    llama.cpp's converter reorders each head's rows [x0..x(d/2-1), y0..y(d/2-1)] into
+    [x0, y0, x1, y1, ...]; we read the rows as (head, d/2, 2) and swap back to (head, 2, d/2).
+    w: [n_heads * head_dim, in] (or [n_heads * head_dim] for a bias) -> same shape.
+    """
+    head_dim = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)

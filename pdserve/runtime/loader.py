@@ -1,0 +1,120 @@
+"""Checkpoint loading: a GGUF file or a HF checkpoint directory -> config, weights, tokenizer.
+
+The weights come out under HF Llama names, in the layout `LlamaForCausalLM.state_dict()` holds
+(rotate-half RoPE convention for Q and K), whatever the source. The format readers live in
+`gguf_reader` and `hf_reader`; this module checks what they return and fingerprints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.runtime.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pdserve.runtime.tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path("..") / "shared" / "models" / "stories260K" / "stories260K.gguf"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding pyproject.toml
+_EDGE_BYTES = 1 << 20  # the fingerprint reads this much at each end of every weight file
+
+
+class ModelLoadError(Exception):
+    """A checkpoint cannot be loaded; the one-line message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF Llama names, all in the requested dtype
+    tokenizer: Tokenizer
+    fingerprint: str  # 32 hex chars over config, dtype and the weight files
+    source: Path
+
+
+def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a GGUF file or a HF checkpoint directory (config.json + *.safetensors)."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise ModelLoadError(f"{source}: no such file or directory")
+    if source.is_dir():
+        from pdserve.runtime.hf_reader import read_hf_directory as read
+    else:
+        from pdserve.runtime.gguf_reader import read_gguf as read
+    config, weights, tokenizer, files = read(source, dtype)
+    check_weights(source, config, weights)
+    return Checkpoint(config=config, weights=weights, tokenizer=tokenizer,
+                      fingerprint=fingerprint(config, dtype, files), source=source.resolve())
+
+
+def resolve_model_path(flag: str | None) -> Path:
+    """The model to serve: the flag, else $PDSERVE_MODEL, else the bundled stories260K."""
+    if flag:
+        return Path(flag).expanduser()
+    env = os.environ.get("PDSERVE_MODEL")
+    if env:
+        return Path(env).expanduser()
+    for base in (REPO_ROOT, Path.cwd()):
+        candidate = base / DEFAULT_MODEL
+        if candidate.exists():
+            return candidate.resolve()
+    raise ModelLoadError("no model given: pass --model PATH or set PDSERVE_MODEL "
+                         "(a GGUF file or an HF checkpoint directory)")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a checkpoint must provide, with its shape (out_features, in_features)."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        }
+        if config.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (config.vocab_size, h)}
+    return shapes
+
+
+def check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    for name, shape in expected_shapes(config).items():
+        if name not in weights:
+            raise ModelLoadError(f"{source}: missing tensor {name}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                 f"expected {shape} from the config")
+
+
+def fingerprint(config: ModelConfig, dtype: torch.dtype, files: list[Path]) -> str:
+    """blake2b of the config, the dtype, and each weight file's size and first and last 1 MiB.
+
+    Cheap for multi-GB checkpoints and the same on every machine: file names and paths are left out,
+    so a renamed or moved copy keeps its fingerprint. The dtype is in because KV computed with other
+    weights' precision is not interchangeable.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(dataclasses.asdict(config), sort_keys=True).encode())
+    h.update(str(dtype).encode())
+    for f in files:
+        size = f.stat().st_size
+        h.update(size.to_bytes(8, "little"))
+        with f.open("rb") as fh:
+            h.update(fh.read(_EDGE_BYTES))
+            fh.seek(max(size - _EDGE_BYTES, 0))
+            h.update(fh.read(_EDGE_BYTES))
+    return h.hexdigest()

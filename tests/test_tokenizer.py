@@ -1,0 +1,127 @@
+"""GGUFTokenizer against transformers' tokenizer built from the same GGUF vocabulary."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from hf_reference import load_hf_gguf_tokenizer
+from pdserve.runtime.gguf_reader import read_tokenizer, _Metadata, _open
+from pdserve.runtime.tokenizer import GGUFTokenizer, HFTokenizer, Tokenizer, default_chat_prompt
+
+GGUF = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K/stories260K.gguf"
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason=f"test model {GGUF} not present")
+
+TEXTS = [
+    "Hello world", "Once upon a time, there was a little girl named Lily.",
+    "She liked to play outside in the sun.", "The cat sat on the mat. The dog barked!",
+    "hello", "Hello", "HELLO WORLD", "a", "I", "",
+    " ", "  ", " leading space", "  two leading spaces", "trailing space ", "trailing spaces   ",
+    "multiple   inner    spaces", " both ends ",
+    "line one\nline two", "\n", "\n\nstarts with newlines", "ends with newline\n", "a\n\nb", "tab\tseparated\tvalues",
+    "\r\nwindows line ending", "12345", "3.14159", "1,000,000 dollars", "in 2024 we had 42 cats",
+    "Hello, world! How are you? I'm fine; thanks.", "quotes: \"double\" and 'single'", "(parens) [brackets] {braces}",
+    "a-b_c/d\\e|f", "#hashtag @mention $100 50% ^caret &amp *star", "~tilde `backtick` <angle>",
+    "café", "naïve résumé", "Ünïcödé", "héllo wörld", "日本語", "日本語 café 😀", "emoji 😀🎉👍", "👨‍👩‍👧 family",
+    "Привет мир", "مرحبا", "한국어 텍스트", "\u00a0non-breaking space", "zero\u200bwidth",
+    "hello</s>world", "<s>starts with bos", "ends with unk<unk>", "Tim said \"Let's go!\" and ran away.",
+]
+
+
+@pytest.fixture(scope="module")
+def ours() -> GGUFTokenizer:
+    return read_tokenizer(_Metadata(GGUF, _open(GGUF)))
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory):
+    return load_hf_gguf_tokenizer(GGUF, tmp_path_factory.mktemp("hf_gguf"))
+
+
+def test_protocol_and_special_ids(ours: GGUFTokenizer) -> None:
+    assert isinstance(ours, Tokenizer)
+    assert (ours.vocab_size, ours.bos_id, ours.eos_ids, ours.unk_id) == (512, 1, (2,), 0)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(ours: GGUFTokenizer, hf, text: str) -> None:
+    assert ours.encode(text) == hf.encode(text)
+    assert ours.encode(text, add_bos=False) == hf.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_matches_transformers(ours: GGUFTokenizer, hf, text: str) -> None:
+    ids = hf.encode(text)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special=False) == hf.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if not t.startswith(" ") and "<" not in t])
+def test_round_trip(ours: GGUFTokenizer, text: str) -> None:
+    assert ours.decode(ours.encode(text)) == text
+
+
+def test_random_strings_match_transformers(ours: GGUFTokenizer, hf) -> None:
+    rng = random.Random(1234)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ABCXYZ  \n\t.,!?'\"0123456789éüß日本語😀"
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60)))
+        ids = hf.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+
+
+def test_long_text_matches_transformers(ours: GGUFTokenizer, hf) -> None:
+    text = " ".join(TEXTS) * 20  # ~20k chars: the heap-based merge keeps this fast
+    assert ours.encode(text) == hf.encode(text)
+
+
+def test_byte_fallback_tokens(ours: GGUFTokenizer) -> None:
+    ids = ours.encode("日", add_bos=False)
+    assert [ours.id_to_piece(i) for i in ids] == ["▁", "<0xE6>", "<0x97>", "<0xA5>"]
+    # An incomplete character decodes to U+FFFD rather than failing.
+    assert ours.decode(ids[:2]) == "\ufffd"
+
+
+def test_default_chat_prompt(ours: GGUFTokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Tell a story."}]
+    expected = "system: Be brief.\nuser: Hi\nassistant: Hello.\nuser: Tell a story.\nassistant:"
+    assert ours.apply_chat_template(messages) == expected == default_chat_prompt(messages)
+
+
+def test_chat_rejects_unknown_role(ours: GGUFTokenizer) -> None:
+    with pytest.raises(ValueError, match="tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_jinja_chat_template_matches_transformers(hf, tmp_path: Path) -> None:
+    messages = [{"role": "system", "content": "Be nice."}, {"role": "user", "content": "Hi there"}]
+    hf.chat_template = TEMPLATE
+    try:
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        hf.save_pretrained(tmp_path)
+    finally:
+        hf.chat_template = None
+    tok = read_tokenizer(_Metadata(GGUF, _open(GGUF)))
+    gguf_tok = GGUFTokenizer(tok._pieces, [0.0] * tok.vocab_size, tok._types, 1, (2,), 0,
+                             chat_template=TEMPLATE)
+    assert gguf_tok.apply_chat_template(messages) == expected
+    assert HFTokenizer.from_directory(tmp_path).apply_chat_template(messages) == expected
+
+
+def test_hf_tokenizer_wrapper(ours: GGUFTokenizer, hf, tmp_path: Path) -> None:
+    hf.save_pretrained(tmp_path)
+    wrapped = HFTokenizer.from_directory(tmp_path, eos_ids=(2,))
+    assert isinstance(wrapped, Tokenizer)
+    assert (wrapped.vocab_size, wrapped.bos_id, wrapped.eos_ids) == (512, 1, (2,))
+    for text in TEXTS[:20]:
+        assert wrapped.encode(text) == ours.encode(text)
+        assert wrapped.decode(wrapped.encode(text)) == ours.decode(ours.encode(text))
+    assert wrapped.apply_chat_template([{"role": "user", "content": "Hi"}]) == "user: Hi\nassistant:"
