@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from pdserve.runtime.block_manager import BlockManager
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.kv_cache import allocate_kv_cache
+from pdserve.runtime.kv_transfer import ExportedBlock, export_prompt_blocks, import_prompt_blocks
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.sampler import sample
@@ -62,7 +64,8 @@ class Engine:
         self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
         model = LlamaModel(model_config, weights, self.config.device)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # queued or running
+        self.held: dict[str, Sequence] = {}  # finished, KV kept until exported and released
         self.stats = EngineStats(batch_size_counts={})
         self.keep_logits = False  # tests and debugging: keep the last step's logits
         self.last_logits: torch.Tensor | None = None  # [S, V], rows in the order of step()'s outputs
@@ -88,23 +91,52 @@ class Engine:
             raise RequestError(f"request needs {total} tokens of KV but the cache holds only"
                                f" {self.block_manager.num_blocks * self.block_manager.block_size}")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        if request_id in self.seqs:
-            raise RequestError(f"request id {request_id!r} is already running")
-        self.validate(prompt_ids, params)
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait: retry later")
-        seq = Sequence(request_id, list(prompt_ids), params)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    output_ids: list[int] | None = None, hold_blocks: bool = False) -> Sequence:
+        """Queues a request. `output_ids`: tokens already generated elsewhere (their KV is
+        recomputed here); `hold_blocks`: keep the KV after the request ends, for export."""
+        seq = self._new_sequence(request_id, prompt_ids, params, output_ids or [])
+        seq.hold_blocks = hold_blocks
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
+                      block_hashes: list[bytes], blocks: Mapping[bytes, torch.Tensor]) -> bool:
+        """Queues a request whose prompt KV was computed elsewhere, for decoding. Blocks that
+        are cached here are shared, the others copied from `blocks`. Returns False when KV was
+        missing or did not fit: the request is then queued to recompute its prompt here."""
+        seq = self._new_sequence(request_id, prompt_ids, params, [first_token])
+        imported = import_prompt_blocks(self, seq, block_hashes, blocks)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return imported
+
+    def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      output_ids: list[int]) -> Sequence:
+        if request_id in self.seqs or request_id in self.held:
+            raise RequestError(f"request id {request_id!r} is already running")
+        self.validate(prompt_ids, params)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests already wait: retry later")
+        return Sequence(request_id, list(prompt_ids), params, output_ids=list(output_ids))
+
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
-            return False
+            return self.release_held(request_id)
         self.scheduler.finish(seq, "abort")
         return True
+
+    def export_held(self, request_id: str) -> list[ExportedBlock]:
+        """The prompt KV blocks of a finished request that holds its blocks."""
+        return export_prompt_blocks(self, self.held[request_id])
+
+    def release_held(self, request_id: str) -> bool:
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+        return seq is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -139,10 +171,13 @@ class Engine:
             seq.logprobs.append(lp)
         self.stats.tokens_generated += 1
         reason = self._finish_reason(seq, token)
-        if reason:
-            self.scheduler.finish(seq, reason)
+        ends = bool(reason) or seq.hold_blocks  # a held (prefill-role) request ends after one token
+        if ends:
+            self.scheduler.finish(seq, reason, free_blocks=not seq.hold_blocks)
             self.seqs.pop(seq.request_id, None)
-        return StepOutput(seq.request_id, [token], [lp] if lp else [], bool(reason), reason,
+            if seq.hold_blocks:
+                self.held[seq.request_id] = seq
+        return StepOutput(seq.request_id, [token], [lp] if lp else [], ends, reason,
                           len(seq.prompt_ids), seq.num_cached_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str:
@@ -169,4 +204,4 @@ class Engine:
 
     def check_leaks(self) -> None:
         live = [s for s in self.seqs.values() if s.status is not SequenceStatus.FINISHED]
-        self.block_manager.check_leaks(live)
+        self.block_manager.check_leaks(live + list(self.held.values()))

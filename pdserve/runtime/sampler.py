@@ -49,7 +49,7 @@ def sample_one(logits: torch.Tensor, seq: Sequence) -> int:
         return int(logits.argmax())
     probs = torch.softmax(logits / p.temperature, dim=-1)
     probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
-    return int(torch.multinomial(probs, 1, generator=seq.generator))
+    return int(torch.multinomial(probs, 1, generator=seq.generator()))
 
 
 def top_logprobs(logprobs: torch.Tensor, token_id: int, n: int) -> TokenLogprob:

@@ -85,11 +85,13 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table and not self.blocks.allocate(seq):
                 break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+                break  # an imported sequence whose next token needs a block we lack
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            out.prefills.append(ScheduledSeq(seq, n))
+            (out.decodes if n == 1 else out.prefills).append(ScheduledSeq(seq, n))
             budget -= n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -103,12 +105,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends `seq` (finished or aborted) and returns its blocks."""
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Ends `seq` (finished or aborted) and returns its blocks unless told to keep them."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        if free_blocks:
+            self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -36,11 +36,15 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str = ""
-    generator: torch.Generator | None = None  # per-request RNG when a seed is given
+    hold_blocks: bool = False  # prefill role: keep the KV after finishing until exported
 
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    def generator(self) -> torch.Generator | None:
+        """RNG of the next token when seeded: a function of (seed, position) only, so a request
+        sampled partly on a prefill worker and partly on a decode worker draws what it would
+        draw in one process."""
+        if self.params.seed is None:
+            return None
+        return torch.Generator().manual_seed((self.params.seed * 1_000_003 + len(self.output_ids)) % (1 << 63))
 
     @property
     def token_ids(self) -> list[int]:

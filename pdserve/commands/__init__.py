@@ -1,0 +1,1 @@
+"""Subcommands of `pdserve` (see pdserve.cli)."""

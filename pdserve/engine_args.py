@@ -1,0 +1,51 @@
+"""Command-line flags of the runtime, derived from its config dataclasses, and engine building."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import torch
+
+from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, else the bundled stories260K)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    c, s = CacheConfig(), SchedulerConfig()
+    p.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks in the paged cache")
+    p.add_argument("--kv-dtype", default=c.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--max-batch-size", type=int, default=s.max_num_seqs, help="sequences per decode step")
+    p.add_argument("--max-batched-tokens", type=int, default=s.max_num_batched_tokens,
+                   help="token budget of one step; longer prompts are prefilled in chunks")
+    p.add_argument("--max-waiting", type=int, default=s.max_waiting, help="bounded request queue")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
+                   help="torch CPU threads (0: torch's default)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.kv_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_batch_size,
+                                  max_num_batched_tokens=args.max_batched_tokens,
+                                  max_waiting=args.max_waiting),
+        device=args.device,
+    )
+
+
+def build_engine(args: argparse.Namespace):
+    """Loads the checkpoint named by the flags and builds an Engine on it."""
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint(resolve_model_path(args.model))
+    engine = Engine.from_checkpoint(checkpoint, engine_config_from_args(args))
+    return engine, checkpoint

@@ -1,0 +1,91 @@
+"""Prefill in one engine, decode in another: the same tokens as one engine doing both."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import model_config_from_hf, random_hf_model
+from pdserve.kvwire import BlockSpec, decode_block, encode_block
+from pdserve.runtime.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return random_hf_model("llama", seed=21)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(3, 160) for _ in range(n)] for n in (5, 16, 29, 48)]
+
+
+def _spec(engine) -> BlockSpec:
+    c = engine.model_config
+    return BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
+                     engine.block_manager.block_size)
+
+
+def _prefill(engine, prompts, params) -> list[tuple[int, dict[bytes, bytes], list[bytes]]]:
+    """Prefill role: first token plus the prompt's blocks, wire-encoded."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params, hold_blocks=True)
+    firsts = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            firsts[out.request_id] = out.new_token_ids[0]
+    results = []
+    for i in range(len(prompts)):
+        blocks = engine.export_held(f"r{i}")
+        engine.release_held(f"r{i}")
+        wire = {b.hash: encode_block(b.data, _spec(engine), b.num_tokens) for b in blocks}
+        results.append((firsts[f"r{i}"], wire, [b.hash for b in blocks]))
+    return results
+
+
+def _decode(engine, prompts, prefilled, params, drop: set[int] = frozenset()) -> list[list[int]]:
+    seqs = []
+    for i, (p, (first, wire, hashes)) in enumerate(zip(prompts, prefilled)):
+        blocks = {h: decode_block(d, _spec(engine))[0] for j, (h, d) in enumerate(wire.items()) if j not in drop}
+        engine.add_prefilled(f"d{i}", p, first, params, hashes, blocks)
+        seqs.append(engine.seqs[f"d{i}"])
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=7, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_disaggregated_equals_in_process(make_engine, hf, params):
+    config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
+    prompts = _prompts()
+    expected = [s.output_ids for s in make_engine(config, weights).generate(prompts, params)]
+    prefilled = _prefill(make_engine(config, weights), prompts, params)
+    assert _decode(make_engine(config, weights), prompts, prefilled, params) == expected
+
+
+def test_missing_block_falls_back_to_recompute(make_engine, hf):
+    config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts()
+    expected = [s.output_ids for s in make_engine(config, weights).generate(prompts, params)]
+    prefilled = _prefill(make_engine(config, weights), prompts, params)
+    decoder = make_engine(config, weights)
+    assert _decode(decoder, prompts, prefilled, params, drop={0}) == expected
+
+
+def test_decode_worker_shares_blocks_it_already_holds(make_engine, hf):
+    config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 40))  # two full blocks and a tail
+    prefilled = _prefill(make_engine(config, weights), [prompt, prompt], params)
+    decoder = make_engine(config, weights)
+    first = _decode(decoder, [prompt], prefilled[:1], params)
+    free_before = decoder.block_manager.num_free_blocks
+    cached_before = decoder.block_manager.num_cached_blocks
+    assert cached_before >= 2
+    assert _decode(decoder, [prompt], prefilled[1:], params) == first
+    assert decoder.block_manager.num_free_blocks == free_before
