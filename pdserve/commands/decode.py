@@ -1,0 +1,21 @@
+"""`pdserve decode`: run one decode worker."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "decode"
+HELP = "run a decode worker (loads KV from the kvstore, batches decoding, streams tokens)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.worker_common import add_worker_args
+
+    add_worker_args(p, default_bind="0.0.0.0:50062")
+
+
+def run(args: argparse.Namespace) -> int:
+    from decode.service import SERVICE_NAME, add_to_server
+    from pdserve.worker_common import run_worker
+
+    return run_worker(args, SERVICE_NAME, add_to_server)

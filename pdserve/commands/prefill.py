@@ -1,0 +1,21 @@
+"""`pdserve prefill`: run one prefill worker."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "prefill"
+HELP = "run a prefill worker (computes prompt KV, writes it to the kvstore)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.worker_common import add_worker_args
+
+    add_worker_args(p, default_bind="0.0.0.0:50061")
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill.service import SERVICE_NAME, add_to_server
+    from pdserve.worker_common import run_worker
+
+    return run_worker(args, SERVICE_NAME, add_to_server)

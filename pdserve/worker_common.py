@@ -1,0 +1,104 @@
+"""What prefill and decode workers share: flags, engine start-up, error codes, stats."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore.client import KVStoreClient
+from pdserve.engine_args import add_engine_args, build_engine
+from pdserve.grpc_server import DEFAULT_ERROR_CODES, serve_until_signal, start_server
+from pdserve.kvwire import BlockSpec
+from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
+from pdserve.runtime.engine import Engine, QueueFullError
+from pdserve.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+# Engine exceptions -> gRPC status codes (first match wins).
+WORKER_ERROR_CODES = {
+    QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    EngineDeadError: grpc.StatusCode.UNAVAILABLE,
+    **DEFAULT_ERROR_CODES,
+}
+
+
+@dataclass
+class TransferCounters:
+    kv_bytes_received: int = 0
+    kv_bytes_sent: int = 0
+
+
+@dataclass
+class Worker:
+    """One worker's parts: the engine on its thread, the kvstore client, the block format."""
+
+    worker_id: str
+    aengine: AsyncEngine
+    kv: KVStoreClient
+    spec: BlockSpec
+    counters: TransferCounters
+
+    @property
+    def engine(self) -> Engine:
+        return self.aengine.engine
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        e, bm = self.engine, self.engine.block_manager
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id, num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
+            num_blocks_cached=bm.num_cached_blocks, num_steps=e.stats.steps,
+            max_batch_size=e.stats.max_batch_size, batch_size_counts=dict(e.stats.batch_size_counts),
+            tokens_generated=e.stats.tokens_generated, kv_bytes_received=self.counters.kv_bytes_received,
+            kv_bytes_sent=self.counters.kv_bytes_sent)
+
+
+def block_spec(engine: Engine) -> BlockSpec:
+    c = engine.model_config
+    return BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
+                     engine.block_manager.block_size)
+
+
+def add_worker_args(p: argparse.ArgumentParser, default_bind: str) -> None:
+    p.add_argument("--bind", default=default_bind, help="host:port to serve gRPC on")
+    p.add_argument("--kvstore", default=os.environ.get("PDSERVE_KVSTORE", "127.0.0.1:50070"),
+                   help="host:port of the KV store service")
+    p.add_argument("--batch-window-ms", type=float, default=2.0,
+                   help="after an idle spell, wait this long for more requests before the first step")
+    p.add_argument("--worker-id", default="", help="name in stats and logs (default: host:port)")
+    add_engine_args(p)
+
+
+def make_worker(args: argparse.Namespace) -> Worker:
+    engine, _ = build_engine(args)
+    aengine = AsyncEngine(engine, batch_window_s=args.batch_window_ms / 1000).start()
+    worker_id = args.worker_id or f"{socket.gethostname()}:{args.bind.rsplit(':', 1)[-1]}"
+    return Worker(worker_id, aengine, KVStoreClient(args.kvstore), block_spec(engine), TransferCounters())
+
+
+def run_worker(args: argparse.Namespace, service_name: str,
+               add_servicer: Callable[[Worker, grpc.aio.Server], None]) -> int:
+    """Builds the worker, serves until SIGINT/SIGTERM, then stops cleanly."""
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {service_name.rsplit('.', 1)[-1]} %(levelname)s %(message)s")
+
+    async def main() -> None:
+        worker = make_worker(args)  # inside the loop: the kvstore channel binds to it
+        server, port = await start_server(args.bind, lambda s: add_servicer(worker, s), [service_name])
+        log.info("%s %s listening on port %d", service_name, worker.worker_id, port)
+        try:
+            await serve_until_signal(server)
+        finally:
+            await worker.kv.close()
+            worker.aengine.stop()
+
+    asyncio.run(main())
+    return 0
