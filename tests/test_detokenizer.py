@@ -10,7 +10,7 @@ import pytest
 
 from hf_reference import load_hf_gguf_tokenizer
 from pdserve.runtime.detokenizer import IncrementalDetokenizer
-from pdserve.runtime.gguf_reader import _Metadata, _open, read_tokenizer
+from pdserve.runtime.gguf_reader import load_gguf_tokenizer
 from pdserve.runtime.tokenizer import HFTokenizer, Tokenizer
 
 GGUF = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K/stories260K.gguf"
@@ -25,7 +25,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def gguf_tok() -> Tokenizer:
-    return read_tokenizer(_Metadata(GGUF, _open(GGUF)))
+    return load_gguf_tokenizer(GGUF)
 
 
 @pytest.fixture(scope="module", params=["gguf", "hf"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_reference import load_hf_gguf_tokenizer
-from pdserve.runtime.gguf_reader import read_tokenizer, _Metadata, _open
+from pdserve.runtime.gguf_reader import load_gguf_tokenizer
 from pdserve.runtime.tokenizer import GGUFTokenizer, HFTokenizer, Tokenizer, default_chat_prompt
 
 GGUF = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K/stories260K.gguf"
@@ -32,7 +32,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def ours() -> GGUFTokenizer:
-    return read_tokenizer(_Metadata(GGUF, _open(GGUF)))
+    return load_gguf_tokenizer(GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +109,8 @@ def test_jinja_chat_template_matches_transformers(hf, tmp_path: Path) -> None:
         hf.save_pretrained(tmp_path)
     finally:
         hf.chat_template = None
-    tok = read_tokenizer(_Metadata(GGUF, _open(GGUF)))
-    gguf_tok = GGUFTokenizer(tok._pieces, [0.0] * tok.vocab_size, tok._types, 1, (2,), 0,
-                             chat_template=TEMPLATE)
+    gguf_tok = load_gguf_tokenizer(GGUF)
+    gguf_tok.chat_template = TEMPLATE
     assert gguf_tok.apply_chat_template(messages) == expected
     assert HFTokenizer.from_directory(tmp_path).apply_chat_template(messages) == expected
 

@@ -42,6 +42,12 @@ def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     return config, weights, tokenizer, [path]
 
 
+def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """Only the tokenizer of a GGUF file (the tensors are memory-mapped, not read)."""
+    path = Path(path)
+    return read_tokenizer(_Metadata(path, _open(path)))
+
+
 def _open(path: Path) -> GGUFReader:
     try:
         return GGUFReader(path)

@@ -36,7 +36,7 @@ class Checkpoint:
     config: ModelConfig
     weights: dict[str, torch.Tensor]  # HF Llama names, all in the requested dtype
     tokenizer: Tokenizer
-    fingerprint: str  # 32 hex chars over config, dtype and the weight files
+    fingerprint: str  # 32 hex chars over the config and the weight files (not the dtype)
     source: Path
 
 
@@ -52,7 +52,7 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.flo
     config, weights, tokenizer, files = read(source, dtype)
     check_weights(source, config, weights)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer,
-                      fingerprint=fingerprint(config, dtype, files), source=source.resolve())
+                      fingerprint=fingerprint(config, files), source=source.resolve())
 
 
 def resolve_model_path(flag: str | None) -> Path:
@@ -100,16 +100,15 @@ def check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.Te
                                  f"expected {shape} from the config")
 
 
-def fingerprint(config: ModelConfig, dtype: torch.dtype, files: list[Path]) -> str:
-    """blake2b of the config, the dtype, and each weight file's size and first and last 1 MiB.
+def fingerprint(config: ModelConfig, files: list[Path]) -> str:
+    """blake2b of the config and each weight file's size and first and last 1 MiB.
 
     Cheap for multi-GB checkpoints and the same on every machine: file names and paths are left out,
-    so a renamed or moved copy keeps its fingerprint. The dtype is in because KV computed with other
-    weights' precision is not interchangeable.
+    so a renamed or moved copy keeps its fingerprint. The load dtype is left out too, so that every
+    process sees the same value for the same files; whoever mixes dtypes must hash that in itself.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(dataclasses.asdict(config), sort_keys=True).encode())
-    h.update(str(dtype).encode())
     for f in files:
         size = f.stat().st_size
         h.update(size.to_bytes(8, "little"))
