@@ -1,0 +1,199 @@
+"""The path of one request through the gateway, step by step (`RequestFlow.run`).
+
+    GenerationRequest (service.py made it from the proto: text or chat messages, SamplingParams)
+     1. tokenize: the prompt, or the chat rendered by the model's template     -> prompt_ids
+     2. validate: prompt not empty, prompt + max_tokens within the context window
+                  (SamplingParams validated its own fields already)             INVALID_ARGUMENT
+     3. admit: the gateway's bounded in-flight count (limits.InflightLimit)      RESOURCE_EXHAUSTED
+     4. hash the prompt's full blocks (block_hash.prompt_block_hashes)          -> hashes
+     5. pick a decode worker (router: least loaded, healthy) and send it
+        Prepare(hashes), not awaited: KV that already exists starts moving now  UNAVAILABLE if none
+     6. ask the kvstore how many leading blocks it holds (best effort)          -> cached_blocks hint
+     7. pick a prefill worker; Prefill -> first token + every block hash; a worker that answers
+        UNAVAILABLE is marked down and the call is retried once on another (same request id,
+        so the retry is idempotent)                                             -> PrefillResult
+     8. emit the first token (output.OutputAssembler: incremental detokenizer, stop strings);
+        the request ends here when prefill's finish_reason is set or a stop string appeared
+     9. Decode on the decode worker (another one if it went down during prefill): each chunk of
+        tokens is detokenized and emitted; a stop string closes the stream, which cancels the
+        call so the worker aborts the sequence and frees its KV
+    10. the last chunk carries the finish reason and the Usage
+
+Every downstream call gets the client's remaining time as its timeout. A client cancel cancels
+the task running this generator, which cancels the call in progress. Work owned by nobody is
+released here: the kvstore lease of a request that never reaches a decode worker (or whose
+decode worker failed) is ended in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+
+from gateway import worker_calls
+from gateway.background import spawn
+from gateway.limits import InflightLimit
+from gateway.output import OutputAssembler, OutputChunk
+from gateway.prompts import check_fits, tokenize_chat, tokenize_prompt
+from gateway.worker_calls import PrefillResult
+from gateway.workers import WorkerEndpoint, WorkerPool
+from kvstore.client import KVStoreClient
+from pdserve.grpc_server import ServiceError
+from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+TimeRemaining = Callable[[], float | None]  # seconds left of the client's deadline, None = none
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the gateway needs of the served model (it never runs it)."""
+
+    tokenizer: Tokenizer
+    context_window: int  # max_position_embeddings: prompt + generated tokens must fit
+    fingerprint: str  # part of every block hash
+    block_size: int  # must match the workers' --block-size
+    kv_dtype: str  # must match the workers' --kv-dtype
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A Generate (`prompt`) or Chat (`messages`) request, protobuf-free."""
+
+    request_id: str
+    sampling: SamplingParams
+    prompt: str = ""
+    messages: tuple[Mapping[str, str], ...] | None = None  # a chat when not None
+    session_id: str = ""
+
+
+class RequestFlow:
+    """Runs requests through the prefill and decode pools; see the module docstring for the path."""
+
+    def __init__(self, model: ModelInfo, prefill: WorkerPool, decode: WorkerPool,
+                 kvstore: KVStoreClient | None, limit: InflightLimit) -> None:
+        self.model = model
+        self.prefill_pool = prefill
+        self.decode_pool = decode
+        self.kvstore = kvstore
+        self.limit = limit
+
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        """Steps 1-2: validated prompt ids; ValueError with an actionable message."""
+        tok = self.model.tokenizer
+        if request.messages is None:
+            ids = tokenize_prompt(tok, request.prompt)
+        else:
+            ids = tokenize_chat(tok, request.messages)
+        check_fits(ids, request.sampling, self.model.context_window)
+        return ids
+
+    async def run(self, request: GenerationRequest, time_remaining: TimeRemaining
+                  ) -> AsyncIterator[OutputChunk]:
+        """Stream the request's output chunks; the last has finish_reason and usage."""
+        prompt_ids = self.tokenize(request)
+        with self.limit.admit():
+            try:
+                async for chunk in self._generate(request, prompt_ids, time_remaining):
+                    yield chunk
+            except ServiceError:
+                self._end_lease(request.request_id)  # a failed worker may have left blocks pinned
+                raise
+
+    async def _generate(self, request: GenerationRequest, prompt_ids: list[int],
+                        time_remaining: TimeRemaining) -> AsyncIterator[OutputChunk]:
+        rid, sampling = request.request_id, request.sampling
+        m = self.model
+        hashes = prompt_block_hashes(prompt_ids, m.block_size, m.fingerprint, m.kv_dtype)
+        hinted = self.decode_pool.pick()  # before prefill: no point computing KV nobody can decode
+        with hinted.track():  # counted from the pick so that concurrent requests spread out
+            worker_calls.send_prepare(hinted, rid, hashes)
+            cached_blocks = await self._cached_blocks(hashes)
+            result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
+        out = OutputAssembler(m.tokenizer, prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
+        first_lp = (result.first_logprob,) if result.first_logprob else ()
+        yield out.add((result.first_token,), first_lp, result.finish_reason)
+        if out.finished:
+            self._end_lease(rid)  # no decode worker will ever own this request's blocks
+            return
+        decode_ep = hinted if hinted.healthy else self.decode_pool.pick()
+        async for chunk in self._decode(decode_ep, rid, prompt_ids, result, sampling, out, time_remaining):
+            yield chunk
+
+    async def _cached_blocks(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks the kvstore holds: a hint for prefill, 0 when the store cannot tell."""
+        if not hashes or self.kvstore is None:
+            return 0
+        try:
+            return await self.kvstore.lookup(hashes)
+        except grpc.aio.AioRpcError as err:
+            log.debug("kvstore lookup failed (%s); prefill gets no cache hint", err.code().name)
+            return 0
+
+    async def _prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
+                       cached_blocks: int, time_remaining: TimeRemaining) -> PrefillResult:
+        """Step 7: Prefill, retried once on another worker when the first is UNAVAILABLE."""
+        failed: list[WorkerEndpoint] = []
+        while True:
+            ep = self.prefill_pool.pick(exclude=failed)  # UNAVAILABLE when none is left
+            try:
+                with ep.track():
+                    return await worker_calls.prefill(ep, rid, prompt_ids, sampling, cached_blocks,
+                                                      _timeout(time_remaining))
+            except ServiceError as err:
+                if err.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.prefill_pool.mark_down(ep, str(err))
+                failed.append(ep)
+                if len(failed) > 1:
+                    raise
+
+    async def _decode(self, ep: WorkerEndpoint, rid: str, prompt_ids: list[int], result: PrefillResult,
+                      sampling: SamplingParams, out: OutputAssembler, time_remaining: TimeRemaining
+                      ) -> AsyncIterator[OutputChunk]:
+        """Step 9: stream Decode; returning early closes the stream, which cancels the call."""
+        with ep.track():
+            stream = worker_calls.decode(ep, rid, prompt_ids, result.first_token, result.block_hashes,
+                                         sampling, _timeout(time_remaining))
+            try:
+                async with aclosing(stream):
+                    async for part in stream:
+                        yield out.add(part.token_ids, part.logprobs, part.finish_reason)
+                        if out.finished:
+                            return  # a stop string, or the worker's last chunk
+            except ServiceError as err:
+                if err.code == grpc.StatusCode.UNAVAILABLE:
+                    self.decode_pool.mark_down(ep, str(err))
+                raise
+        raise ServiceError(grpc.StatusCode.INTERNAL,
+                           f"decode worker {ep.address} ended the stream of {rid} without a finish reason")
+
+    def _end_lease(self, rid: str) -> None:
+        """Unpin the request's blocks in the kvstore, in the background (they stay cached)."""
+        if self.kvstore is None:
+            return
+        kvstore = self.kvstore
+
+        async def release() -> None:
+            try:
+                await kvstore.release(rid)
+            except grpc.aio.AioRpcError as err:
+                log.debug("kvstore release of %s failed: %s", rid, err.code().name)
+        spawn(release(), name=f"release-{rid}")
+
+
+def _timeout(time_remaining: TimeRemaining) -> float | None:
+    """The client's remaining time as a call timeout; DEADLINE_EXCEEDED once it has run out."""
+    left = time_remaining()
+    if left is None or left > 1e7:  # no deadline (some grpc versions report a huge number)
+        return None
+    if left <= 0:
+        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+    return left

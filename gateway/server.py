@@ -1,0 +1,144 @@
+"""Runs the gateway: `pdserve gateway` or `python -m gateway.server`.
+
+`serve` loads the model's tokenizer and config (the checkpoint loader also loads the weights,
+which the gateway does not need: fine for small models, to be slimmed later), builds the worker
+pools and the request flow, probes the workers once and starts the gRPC server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import weakref
+from typing import TYPE_CHECKING
+from collections.abc import Sequence
+
+import grpc
+
+from pdserve.grpc_server import serve_until_signal, start_server, stop_server
+
+if TYPE_CHECKING:
+    from gateway.flow import ModelInfo
+    from gateway.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Gateway"
+DEFAULT_BIND = "0.0.0.0:50051"
+KVSTORE_TIMEOUT_S = 0.5  # the kvstore only gives hints here; never hold a request up for long
+
+# What each server started here owns besides itself, closed by `stop`.
+_owned: weakref.WeakKeyDictionary[grpc.aio.Server, list] = weakref.WeakKeyDictionary()
+
+
+async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets: Sequence[str] | str,
+                kvstore_target: str | None, model_path: str | None, block_size: int = 16,
+                kv_dtype: str = "float32", max_inflight: int = 256) -> tuple[grpc.aio.Server, int]:
+    """Start the gateway on `bind`; targets are `host:port` or `dns:///name:port` (a string may
+    list several, comma-separated). Returns (server, port); stop it with `stop(server)`."""
+    from gateway.flow import RequestFlow
+    from gateway.limits import InflightLimit
+    from gateway.service import GatewayServicer
+    from kvstore.client import KVStoreClient
+    from pdserve.v1 import gateway_pb2_grpc
+
+    model = await asyncio.to_thread(load_model_info, model_path, block_size, kv_dtype)
+    prefill = await _start_pool("prefill", prefill_targets)
+    decode = await _start_pool("decode", decode_targets)
+    kvstore = KVStoreClient(kvstore_target, timeout_s=KVSTORE_TIMEOUT_S) if kvstore_target else None
+    flow = RequestFlow(model, prefill, decode, kvstore, InflightLimit(max_inflight))
+    servicer = GatewayServicer(flow)
+    server, port = await start_server(
+        bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME])
+    _owned[server] = [prefill, decode, *([kvstore] if kvstore else [])]
+    return server, port
+
+
+async def stop(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Stop the server gracefully, then its worker pools and kvstore client."""
+    await stop_server(server, grace_s)
+    await _close_owned(server)
+
+
+async def _close_owned(server: grpc.aio.Server) -> None:
+    for resource in _owned.pop(server, []):
+        await resource.close()
+
+
+def load_model_info(model_path: str | None, block_size: int, kv_dtype: str) -> ModelInfo:
+    """The gateway's view of the model: tokenizer, context window, fingerprint."""
+    from gateway.flow import ModelInfo
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+
+    checkpoint = load_checkpoint(resolve_model_path(model_path))
+    return ModelInfo(checkpoint.tokenizer, checkpoint.config.max_position_embeddings,
+                     checkpoint.fingerprint, block_size, kv_dtype)
+
+
+async def _start_pool(kind: str, targets: Sequence[str] | str) -> WorkerPool:
+    from gateway.targets import parse_target, parse_target_list
+    from gateway.worker_calls import decode_stub, prefill_stub
+    from gateway.workers import WorkerPool
+
+    parsed = parse_target_list(targets) if isinstance(targets, str) else [parse_target(t) for t in targets]
+    pool = WorkerPool(kind, parsed, prefill_stub if kind == "prefill" else decode_stub)
+    await pool.start()
+    return pool
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's flags (shared by `pdserve gateway` and `python -m gateway.server`)."""
+    parser.add_argument("--bind", default=DEFAULT_BIND, help="host:port to listen on")
+    parser.add_argument("--prefill", required=True, metavar="TARGET[,TARGET...]",
+                        help="prefill workers: host:port, or dns:///name:port for every address of a name")
+    parser.add_argument("--decode", required=True, metavar="TARGET[,TARGET...]",
+                        help="decode workers: host:port, or dns:///name:port for every address of a name")
+    parser.add_argument("--kvstore", default=None, metavar="ADDR",
+                        help="kvstore host:port (prefix lookups and lease cleanup; optional)")
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, "
+                             "else the bundled stories260K); must be the workers' model")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (as the workers)")
+    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="KV dtype (as the workers)")
+    parser.add_argument("--max-inflight", type=int, default=256,
+                        help="requests in flight before new ones get RESOURCE_EXHAUSTED")
+    parser.add_argument("--log-level", default="INFO")
+
+
+async def run_until_signal(args: argparse.Namespace) -> None:
+    """Serve with the parsed flags until SIGINT/SIGTERM, then stop gracefully."""
+    server, port = await serve(args.bind, args.prefill, args.decode, args.kvstore, args.model,
+                               args.block_size, args.kv_dtype, args.max_inflight)
+    log.info("gateway listening on port %d", port)
+    try:
+        await serve_until_signal(server)
+    finally:
+        await _close_owned(server)  # serve_until_signal stopped the server itself
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until a signal; 0 then, 2 with a one-line message when the flags or the model are bad."""
+    from pdserve.runtime.loader import ModelLoadError
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run_until_signal(args))
+    except (ValueError, OSError, ModelLoadError) as err:
+        print(f"pdserve gateway: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the gateway until SIGINT/SIGTERM."""
+    parser = argparse.ArgumentParser(prog="gateway", description="pdserve gateway")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

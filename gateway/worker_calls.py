@@ -1,0 +1,115 @@
+"""The gateway's RPCs to prefill and decode workers; protobuf stays inside this module.
+
+Failed calls raise `ServiceError` whose code is what the gateway's client should see and whose
+message names the worker, so the flow can re-raise it as is: UNAVAILABLE (the worker is gone or
+going away), RESOURCE_EXHAUSTED (its queue is full), INVALID_ARGUMENT (it refused the request),
+DEADLINE_EXCEEDED (the client's deadline ran out), CANCELLED; anything else becomes INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.background import spawn
+from gateway.convert import logprob_from_proto, sampling_to_proto
+from gateway.workers import WorkerEndpoint
+from pdserve.grpc_server import ServiceError
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.runtime.sequence import TokenLogprob
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PREPARE_TIMEOUT_S = 5.0
+_PASSED_THROUGH = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What prefill tells the gateway about one request."""
+
+    first_token: int
+    first_logprob: TokenLogprob | None
+    block_hashes: tuple[bytes, ...]  # every prompt block, the partial tail last
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str  # non-empty: the first token already ends the request
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedTokens:
+    """One DecodeChunk: tokens after the first one."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str
+
+
+def prefill_stub(channel: grpc.aio.Channel) -> worker_pb2_grpc.PrefillWorkerStub:
+    return worker_pb2_grpc.PrefillWorkerStub(channel)
+
+
+def decode_stub(channel: grpc.aio.Channel) -> worker_pb2_grpc.DecodeWorkerStub:
+    return worker_pb2_grpc.DecodeWorkerStub(channel)
+
+
+def worker_error(ep: WorkerEndpoint, err: grpc.aio.AioRpcError, what: str = "") -> ServiceError:
+    """The ServiceError to report for a failed call to `ep`."""
+    code = err.code() if err.code() in _PASSED_THROUGH else grpc.StatusCode.INTERNAL
+    where = f"{ep.kind} worker {ep.address}" + (f" {what}" if what else "")
+    return ServiceError(code, f"{where}: {err.code().name}: {err.details() or 'no details'}")
+
+
+async def prefill(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
+                  cached_blocks: int, timeout_s: float | None) -> PrefillResult:
+    """Run Prefill on `ep`; cancelling the awaiting task cancels the call."""
+    request = worker_pb2.PrefillRequest(request_id=request_id, token_ids=prompt_ids,
+                                        sampling=sampling_to_proto(sampling), cached_blocks=cached_blocks)
+    call = ep.stub.Prefill(request, timeout=timeout_s)
+    try:
+        reply = await call
+    except grpc.aio.AioRpcError as err:
+        raise worker_error(ep, err) from None
+    finally:
+        call.cancel()  # no-op when done; stops the worker's work when we were cancelled
+    lp = logprob_from_proto(reply.first_logprob) if reply.HasField("first_logprob") else None
+    return PrefillResult(reply.first_token, lp, tuple(reply.block_hashes), reply.prompt_tokens,
+                         reply.cached_tokens, reply.finish_reason)
+
+
+def send_prepare(ep: WorkerEndpoint, request_id: str, block_hashes: Sequence[bytes]) -> asyncio.Task:
+    """Fire the Prepare hint; its outcome never matters for correctness, so failures are only logged."""
+    async def call() -> None:
+        try:
+            await ep.stub.Prepare(worker_pb2.PrepareRequest(request_id=request_id, block_hashes=block_hashes),
+                                  timeout=PREPARE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            log.debug("Prepare hint to %s for %s failed: %s", ep.address, request_id, err.code().name)
+    return spawn(call(), name=f"prepare-{request_id}")
+
+
+async def decode(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int], first_token: int,
+                 block_hashes: Sequence[bytes], sampling: SamplingParams, timeout_s: float | None
+                 ) -> AsyncIterator[DecodedTokens]:
+    """Stream the tokens after `first_token`. Closing the generator early cancels the call,
+    which makes the worker abort the sequence and free its KV."""
+    request = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids,
+                                       first_token=first_token, block_hashes=block_hashes,
+                                       sampling=sampling_to_proto(sampling))
+    call = ep.stub.Decode(request, timeout=timeout_s)
+    try:
+        async for chunk in call:
+            yield DecodedTokens(tuple(chunk.token_ids),
+                                tuple(logprob_from_proto(lp) for lp in chunk.logprobs), chunk.finish_reason)
+    except grpc.aio.AioRpcError as err:
+        raise worker_error(ep, err, "during decode") from None
+    finally:
+        call.cancel()

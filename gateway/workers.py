@@ -1,0 +1,165 @@
+"""Pools of worker endpoints (one pool per kind: prefill, decode), kept healthy by probing.
+
+A pool starts from its targets (see `targets`): each resolved address becomes a
+`WorkerEndpoint` with its own channel and stub. A background task probes every endpoint's
+`grpc.health.v1` (service "") each `probe_interval_s`; it also re-resolves `dns:///` targets,
+adding endpoints for new addresses and retiring the ones gone (their channel is closed once their
+last call ends). An endpoint is marked down by a failed probe or by `mark_down` (a call saw
+UNAVAILABLE) and comes back up on the next successful probe. `pick` asks `router` for the
+least-loaded healthy endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.router import Candidate, pick_least_loaded
+from gateway.targets import Target, resolve
+from pdserve.grpc_server import ServiceError, grpc_channel
+
+log = logging.getLogger(__name__)
+
+StubFactory = Callable[[grpc.aio.Channel], Any]
+
+
+@dataclass(eq=False)
+class WorkerEndpoint:
+    """One worker process as the gateway sees it."""
+
+    kind: str  # "prefill" | "decode"
+    address: str  # "host:port"
+    channel: grpc.aio.Channel
+    stub: Any  # PrefillWorkerStub or DecodeWorkerStub
+    health: health_pb2_grpc.HealthStub
+    inflight: int = 0
+    healthy: bool = False  # unknown until the first probe answers
+    last_error: str = "not probed yet"
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        """Count one request in flight on this worker for the duration of the block."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    def describe(self) -> str:
+        return self.address if self.healthy else f"{self.address} ({self.last_error})"
+
+
+@dataclass(eq=False)
+class WorkerPool:
+    """The endpoints of one kind of worker, with health probing and least-loaded picking."""
+
+    kind: str
+    targets: Sequence[Target]
+    stub_factory: StubFactory
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    endpoints: list[WorkerEndpoint] = field(default_factory=list)
+    _retiring: list[WorkerEndpoint] = field(default_factory=list)
+    _resolve_errors: dict[str, str] = field(default_factory=dict)
+    _cursor: int = 0
+    _task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Resolve the targets and probe once (so the first request sees real health), then keep probing."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._probe_forever(), name=f"probe-{self.kind}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for ep in [*self.endpoints, *self._retiring]:
+            await ep.channel.close()
+        self.endpoints.clear()
+        self._retiring.clear()
+
+    def pick(self, exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:
+        """The least-loaded healthy endpoint not in `exclude`; ServiceError UNAVAILABLE if none."""
+        candidates = [Candidate(ep.address, ep.healthy and ep not in exclude, ep.inflight)
+                      for ep in self.endpoints]
+        index = pick_least_loaded(candidates, self._cursor)
+        if index is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"no healthy {self.kind} worker: {self.describe()}")
+        self._cursor = index + 1
+        return self.endpoints[index]
+
+    def mark_down(self, ep: WorkerEndpoint, reason: str) -> None:
+        """Take `ep` out of routing until its next successful health probe."""
+        if ep.healthy or ep.last_error != reason:  # log transitions, not every failed probe
+            log.warning("%s worker %s marked down: %s", self.kind, ep.address, reason)
+        ep.healthy, ep.last_error = False, reason
+
+    def describe(self) -> str:
+        """Every endpoint with its state, for error messages."""
+        parts = [ep.describe() for ep in self.endpoints]
+        parts += [f"{t} ({err})" for t, err in self._resolve_errors.items()]
+        return ", ".join(parts) or "no endpoints (" + ", ".join(map(str, self.targets)) + ")"
+
+    async def refresh(self) -> None:
+        """Re-resolve the targets, then probe every endpoint concurrently."""
+        await self._update_membership()
+        await asyncio.gather(*(self._probe(ep) for ep in self.endpoints))
+        await self._close_idle_retired()
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the prober must survive anything; try again next round
+                log.exception("health probing of %s workers failed", self.kind)
+
+    async def _update_membership(self) -> None:
+        addresses: list[str] = []
+        for target in self.targets:
+            try:
+                addresses += await resolve(target)
+                self._resolve_errors.pop(str(target), None)
+            except OSError as err:
+                # Keep the endpoints we have: a DNS hiccup should not empty the pool.
+                self._resolve_errors[str(target)] = f"DNS resolution failed: {err}"
+                addresses += [ep.address for ep in self.endpoints if ep.address not in addresses]
+        wanted = list(dict.fromkeys(addresses))
+        by_address = {ep.address: ep for ep in self.endpoints}
+        for ep in self.endpoints:
+            if ep.address not in wanted:
+                log.info("%s worker %s left the pool", self.kind, ep.address)
+                self._retiring.append(ep)
+        self.endpoints = [by_address.get(a) or self._new_endpoint(a) for a in wanted]
+
+    def _new_endpoint(self, address: str) -> WorkerEndpoint:
+        channel = grpc_channel(address)
+        log.info("%s worker %s joined the pool", self.kind, address)
+        return WorkerEndpoint(self.kind, address, channel, self.stub_factory(channel),
+                              health_pb2_grpc.HealthStub(channel))
+
+    async def _probe(self, ep: WorkerEndpoint) -> None:
+        try:
+            reply = await ep.health.Check(health_pb2.HealthCheckRequest(service=""),
+                                          timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            self.mark_down(ep, f"health check: {err.code().name}")
+            return
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            self.mark_down(ep, f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        elif not ep.healthy:
+            log.info("%s worker %s is healthy", self.kind, ep.address)
+            ep.healthy, ep.last_error = True, ""
+
+    async def _close_idle_retired(self) -> None:
+        for ep in [ep for ep in self._retiring if ep.inflight == 0]:
+            self._retiring.remove(ep)
+            await ep.channel.close()
