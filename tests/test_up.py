@@ -1,0 +1,152 @@
+"""`pdserve up`: the supervisor on throwaway child processes, and the real stack started and
+stopped by SIGTERM with no child left behind."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.commands.up import ChildSpec, StartupError, Supervisor, describe_exit, plan
+from pdserve.healthcheck import is_serving
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", code)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: set[int], timeout_s: float = 5.0) -> list[int]:
+    """The pids still alive after up to `timeout_s` (a SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid`, found through the parent field of /proc/*/stat."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_plan_commands_parse() -> None:
+    args = build_parser().parse_args(["up", "--prefill", "2", "--decode", "3", "--threads", "1"])
+    workers, gateway = plan(args)
+    assert [w.name for w in workers] == ["kvstore", "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    for spec in [*workers, gateway]:
+        assert spec.command[:3] == (sys.executable, "-m", "pdserve.cli")
+        parsed = build_parser().parse_args(list(spec.command[3:]))
+        assert parsed.bind == spec.address
+    gw = build_parser().parse_args(list(gateway.command[3:]))
+    assert gw.prefill == ",".join(w.address for w in workers[1:3]) and gw.bind == "127.0.0.1:50051"
+
+
+def test_supervisor_reports_a_dead_child_and_kills_stubborn_ones() -> None:
+    sup = Supervisor(grace_s=0.5)
+    stubborn = _python("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                       "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                       "print('started', flush=True); time.sleep(60)")
+    a = sup.start(ChildSpec("stubborn", "127.0.0.1:1", stubborn))
+    b = sup.start(ChildSpec("crasher", "127.0.0.1:2", _python("import sys; print('boom'); sys.exit(3)")))
+    try:
+        assert sup.watch() is b
+        assert "crasher (127.0.0.1:2) exited with code 3" in describe_exit(b) and "boom" in describe_exit(b)
+        deadline = time.monotonic() + 10
+        while "started" not in a.tail and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group = _descendants(a.proc.pid) | {a.proc.pid}
+        assert len(group) == 2  # the stubborn child and its own child
+    finally:
+        start = time.monotonic()
+        sup.stop_all()
+    assert time.monotonic() - start < 5
+    assert not _wait_gone(group)  # SIGKILL reached the whole process group
+
+
+def test_supervisor_startup_timeout_names_the_child() -> None:
+    sup = Supervisor(grace_s=1)
+    port = _free_port()
+    sup.start(ChildSpec("sleeper", f"127.0.0.1:{port}",
+                        _python("import time; print('loading', flush=True); time.sleep(60)")))
+    try:
+        with pytest.raises(StartupError, match=rf"sleeper \(127.0.0.1:{port}\) did not report SERVING "
+                                               r"within 1 s; its last output:\n    loading"):
+            sup.wait_serving(sup.children, timeout_s=1)
+    finally:
+        sup.stop_all()
+
+
+def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            assert line, f"pdserve up exited early with code {proc.wait()}"
+            return line
+    raise AssertionError("pdserve up did not print its ready line in time")
+
+
+def test_up_serves_and_stops_cleanly_on_sigterm() -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "1", "--decode", "1", "--threads", "1",
+         "--grpc-port", str(port), "--grace-period", "10"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = _read_ready_line(proc, timeout_s=180)
+        assert line.startswith(f"pdserve ready: grpc=127.0.0.1:{port} http=127.0.0.1:8000 prefill=[127.0.0.1:")
+        children = _descendants(proc.pid)
+        assert len(children) == 4  # kvstore, prefill, decode, gateway
+        assert is_serving(f"127.0.0.1:{port}")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            chunks = list(stub.Generate(gateway_pb2.GenerateRequest(
+                prompt="Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0)),
+                timeout=30))
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stdout.read() == ""  # exactly one line on stdout
+        assert not [pid for pid in children if _alive(pid)]  # up waited for each of them
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
