@@ -100,12 +100,8 @@ class RequestFlow:
         """Stream the request's output chunks; the last has finish_reason and usage."""
         prompt_ids = self.tokenize(request)
         with self.limit.admit():
-            try:
-                async for chunk in self._generate(request, prompt_ids, time_remaining):
-                    yield chunk
-            except ServiceError:
-                self._end_lease(request.request_id)  # a failed worker may have left blocks pinned
-                raise
+            async for chunk in self._generate(request, prompt_ids, time_remaining):
+                yield chunk
 
     async def _generate(self, request: GenerationRequest, prompt_ids: list[int],
                         time_remaining: TimeRemaining) -> AsyncIterator[OutputChunk]:
@@ -113,19 +109,23 @@ class RequestFlow:
         m = self.model
         hashes = prompt_block_hashes(prompt_ids, m.block_size, m.fingerprint, m.kv_dtype)
         hinted = self.decode_pool.pick()  # before prefill: no point computing KV nobody can decode
-        with hinted.track():  # counted from the pick so that concurrent requests spread out
-            worker_calls.send_prepare(hinted, rid, hashes)
-            cached_blocks = await self._cached_blocks(hashes)
-            result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
-        out = OutputAssembler(m.tokenizer, prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
-        first_lp = (result.first_logprob,) if result.first_logprob else ()
-        yield out.add((result.first_token,), first_lp, result.finish_reason)
-        if out.finished:
-            self._end_lease(rid)  # no decode worker will ever own this request's blocks
-            return
-        decode_ep = hinted if hinted.healthy else self.decode_pool.pick()
-        async for chunk in self._decode(decode_ep, rid, prompt_ids, result, sampling, out, time_remaining):
-            yield chunk
+        try:
+            with hinted.track():  # counted from the pick so that concurrent requests spread out
+                worker_calls.send_prepare(hinted, rid, hashes)
+                cached_blocks = await self._cached_blocks(hashes)
+                result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
+            out = OutputAssembler(m.tokenizer, prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
+            first_lp = (result.first_logprob,) if result.first_logprob else ()
+            yield out.add((result.first_token,), first_lp, result.finish_reason)
+            if out.finished:
+                self._end_lease(rid)  # no decode worker will ever own this request's blocks
+                return
+            decode_ep = hinted if hinted.healthy else self.decode_pool.pick()
+            async for chunk in self._decode(decode_ep, rid, prompt_ids, result, sampling, out, time_remaining):
+                yield chunk
+        except ServiceError:
+            self._end_lease(rid)  # a failed worker may have left the request's blocks pinned
+            raise
 
     async def _cached_blocks(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks the kvstore holds: a hint for prefill, 0 when the store cannot tell."""

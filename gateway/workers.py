@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -56,20 +56,21 @@ class WorkerEndpoint:
         return self.address if self.healthy else f"{self.address} ({self.last_error})"
 
 
-@dataclass(eq=False)
 class WorkerPool:
     """The endpoints of one kind of worker, with health probing and least-loaded picking."""
 
-    kind: str
-    targets: Sequence[Target]
-    stub_factory: StubFactory
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 1.0
-    endpoints: list[WorkerEndpoint] = field(default_factory=list)
-    _retiring: list[WorkerEndpoint] = field(default_factory=list)
-    _resolve_errors: dict[str, str] = field(default_factory=dict)
-    _cursor: int = 0
-    _task: asyncio.Task | None = None
+    def __init__(self, kind: str, targets: Sequence[Target], stub_factory: StubFactory,
+                 probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0) -> None:
+        self.kind = kind  # "prefill" | "decode"
+        self.targets = list(targets)
+        self.stub_factory = stub_factory
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.endpoints: list[WorkerEndpoint] = []  # what `pick` chooses from, in address order
+        self._retiring: list[WorkerEndpoint] = []  # left the DNS answer; closed once idle
+        self._resolve_errors: dict[str, str] = {}  # target -> why it did not resolve last time
+        self._cursor = 0  # round-robin position for ties (see router)
+        self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Resolve the targets and probe once (so the first request sees real health), then keep probing."""

@@ -23,6 +23,8 @@ from gateway.service import GatewayServicer, generation_request
 from gateway.targets import Target, parse_target, parse_target_list, resolve
 from gateway.worker_calls import decode_stub, prefill_stub
 from gateway.workers import WorkerPool
+from kvstore.client import KVStoreClient
+from kvstore.server import serve as serve_kvstore
 from pdserve.grpc_server import ServiceError, grpc_channel, start_server, stop_server
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -160,6 +162,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, tokens: list[int]) -> None:
         self.tokens, self.delay_s, self.fail_at = tokens, 0.0, None
+        self.address = ""
         self.prepared: list[str] = []
         self.requests: list[worker_pb2.DecodeRequest] = []
         self.cancelled = asyncio.Event()
@@ -182,12 +185,33 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             raise
 
 
+class RecordingKVStore(KVStoreClient):
+    """A real kvstore client that also records the leases the gateway ends."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target, timeout_s=2)
+        self.released: list[str] = []
+
+    async def release(self, request_id: str, drop: bool = False) -> int:
+        self.released.append(request_id)
+        return await super().release(request_id, drop)
+
+
 @dataclass
 class Stack:
     prefill: list[FakePrefill]
     decode: FakeDecode
     stub: gateway_pb2_grpc.GatewayStub
     flow: RequestFlow
+    kv: RecordingKVStore
+
+    async def released(self) -> list[str]:
+        """Lease releases run in the background; give them a moment."""
+        for _ in range(40):
+            if self.kv.released:
+                break
+            await asyncio.sleep(0.05)
+        return self.kv.released
 
 
 @pytest.fixture(scope="module")
@@ -202,27 +226,33 @@ async def _fake_server(servicer, add) -> tuple[grpc.aio.Server, str]:
 
 @asynccontextmanager
 async def gateway_stack(model: ModelInfo, prefill_workers: int = 2, max_inflight: int = 8,
-                        decode_target: str | None = None) -> AsyncIterator[Stack]:
+                        decode_target: str | None = None, decode_via_dns: bool = False) -> AsyncIterator[Stack]:
     tok = model.tokenizer
     story = tok.encode(STORY, add_bos=False)
     prefills = [FakePrefill(story[0]) for _ in range(prefill_workers)]
     decode = FakeDecode(story[1:])
     servers = [await _fake_server(p, worker_pb2_grpc.add_PrefillWorkerServicer_to_server) for p in prefills]
     servers.append(await _fake_server(decode, worker_pb2_grpc.add_DecodeWorkerServicer_to_server))
+    decode.address = servers[-1][1]
+    decode_port = servers[-1][1].rsplit(":", 1)[1]
+    decode_target = decode_target or (f"dns:///localhost:{decode_port}" if decode_via_dns else servers[-1][1])
     pools = [WorkerPool("prefill", [parse_target(a) for _, a in servers[:-1]], prefill_stub),
-             WorkerPool("decode", [parse_target(decode_target or servers[-1][1])], decode_stub)]
+             WorkerPool("decode", [parse_target(decode_target)], decode_stub)]
     for pool in pools:
         await pool.start()
-    flow = RequestFlow(model, *pools, None, InflightLimit(max_inflight))
+    kv_server, kv_port = await serve_kvstore("127.0.0.1:0", 1 << 20)
+    kv = RecordingKVStore(f"127.0.0.1:{kv_port}")
+    flow = RequestFlow(model, *pools, kv, InflightLimit(max_inflight))
     server, port = await start_server(
         "127.0.0.1:0", lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(flow), s),
         [gateway_server.SERVICE_NAME])
     channel = grpc_channel(f"127.0.0.1:{port}")
     try:
-        yield Stack(prefills, decode, gateway_pb2_grpc.GatewayStub(channel), flow)
+        yield Stack(prefills, decode, gateway_pb2_grpc.GatewayStub(channel), flow, kv)
     finally:
         await channel.close()
-        for s in [server, *(s for s, _ in servers)]:
+        await kv.close()
+        for s in [server, kv_server, *(s for s, _ in servers)]:
             await stop_server(s, 0)
         for pool in pools:
             await pool.close()
@@ -245,7 +275,8 @@ async def _status_of(call) -> tuple[grpc.StatusCode, str]:
 
 def test_generate_streams_first_token_then_decode(model: ModelInfo) -> None:
     async def scenario() -> None:
-        async with gateway_stack(model) as st:
+        async with gateway_stack(model, decode_via_dns=True) as st:
+            assert [ep.address for ep in st.flow.decode_pool.endpoints] == [st.decode.address]
             chunks = await _collect(st.stub.Generate(_request(max_tokens=20)))
             assert "".join(c.text for c in chunks) == STORY
             assert [t for c in chunks for t in c.token_ids] == model.tokenizer.encode(STORY, add_bos=False)
@@ -254,6 +285,8 @@ def test_generate_streams_first_token_then_decode(model: ModelInfo) -> None:
             assert chunks[-1].usage.prompt_tokens == len(model.tokenizer.encode("Once"))
             assert st.decode.prepared == ["r1"] and st.decode.requests[0].first_token == chunks[0].token_ids[0]
             assert sum(len(p.calls) for p in st.prefill) == 1
+            assert [p.calls[0].cached_blocks for p in st.prefill if p.calls] == [0]  # asked the kvstore
+            assert st.kv.released == []  # the decode worker owns the lease
     asyncio.run(scenario())
 
 
@@ -276,6 +309,7 @@ def test_first_token_finish_skips_decode(model: ModelInfo) -> None:
             chunks = await _collect(st.stub.Generate(_request(max_tokens=1)))
             assert len(chunks) == 1 and chunks[0].finish_reason == "length"
             assert chunks[0].usage.completion_tokens == 1 and not st.decode.requests
+            assert await st.released() == ["r1"]  # nobody else would end the request's kvstore lease
     asyncio.run(scenario())
 
 
@@ -322,6 +356,7 @@ def test_decode_failure_deadline_cancel_and_limit(model: ModelInfo) -> None:
             st.decode.fail_at = 3  # dies mid-stream: the stream ends with UNAVAILABLE
             code, details = await _status_of(st.stub.Generate(_request()))
             assert code == grpc.StatusCode.UNAVAILABLE and "during decode" in details
+            assert await st.released() == ["r1"]
             await st.flow.decode_pool.refresh()  # probed healthy again
             st.decode.fail_at, st.decode.delay_s = None, 0.2
             start = time.monotonic()

@@ -73,6 +73,7 @@ class Child:
     spec: ChildSpec
     proc: subprocess.Popen
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    forwarder: threading.Thread | None = None
 
     def last_output(self) -> str:
         return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
@@ -127,12 +128,18 @@ class Supervisor:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True)  # its own process group: killpg reaches anything it spawns
         child = Child(spec, proc)
-        threading.Thread(target=_forward_output, args=(child,), daemon=True, name=f"log-{spec.name}").start()
+        child.forwarder = threading.Thread(target=_forward_output, args=(child,), daemon=True,
+                                           name=f"log-{spec.name}")
+        child.forwarder.start()
         self.children.append(child)
         return child
 
     def dead_child(self) -> Child | None:
-        return next((c for c in self.children if c.proc.poll() is not None), None)
+        """A child that has exited, with its output read to the end (for the error message)."""
+        dead = next((c for c in self.children if c.proc.poll() is not None), None)
+        if dead is not None and dead.forwarder is not None:
+            dead.forwarder.join(timeout=2)
+        return dead
 
     def wait_serving(self, children: Sequence[Child], timeout_s: float) -> bool:
         """True once every child is SERVING, False if a stop was requested; StartupError otherwise."""
@@ -145,7 +152,8 @@ class Supervisor:
                 return False
             dead = self.dead_child()
             if dead is not None:
-                raise StartupError(f"{describe_exit(dead)} while starting up")
+                raise StartupError(f"{describe_exit(dead)} while starting up; its last output:\n"
+                                   f"{dead.last_output()}")
             pending = [c for c in pending if not is_serving(c.spec.address, timeout_s=1.0)]
             if pending and time.monotonic() > deadline:
                 c = pending[0]
@@ -197,9 +205,10 @@ def _forward_output(child: Child) -> None:
 
 
 def describe_exit(child: Child) -> str:
+    """E.g. "decode-0 (127.0.0.1:4000) was killed by signal 9"."""
     code = child.proc.returncode
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    return f"{child.spec.name} ({child.spec.address}) {how}; its last output:\n{child.last_output()}"
+    return f"{child.spec.name} ({child.spec.address}) {how}"
 
 
 def ready_line(args: argparse.Namespace, workers: Sequence[ChildSpec], gateway: ChildSpec) -> str:
@@ -241,5 +250,6 @@ def _run_stack(args: argparse.Namespace, sup: Supervisor) -> int:
     if dead is None:
         print("pdserve up: stopping", file=sys.stderr)
         return 0
-    print(f"pdserve up: {describe_exit(dead)}; stopping the others", file=sys.stderr)
+    print(f"pdserve up: {describe_exit(dead)}; stopping the others. Its last output:\n{dead.last_output()}",
+          file=sys.stderr)
     return 1
