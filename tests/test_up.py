@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.commands.up import ChildSpec, StartupError, Supervisor, describe_exit, plan
+from pdserve.commands.up import ChildSpec, StartupError, Supervisor, describe_exit, plan, port_in_use
 from pdserve.healthcheck import is_serving
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -76,6 +76,14 @@ def test_plan_commands_parse() -> None:
         assert parsed.bind == spec.address
     gw = build_parser().parse_args(list(gateway.command[3:]))
     assert gw.prefill == ",".join(w.address for w in workers[1:3]) and gw.bind == "127.0.0.1:50051"
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert port_in_use("127.0.0.1", s.getsockname()[1]) == "Address already in use"
+    assert port_in_use("127.0.0.1", _free_port()) is None
 
 
 def test_supervisor_reports_a_dead_child_and_kills_stubborn_ones() -> None:

@@ -89,6 +89,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound, or None when it is free (checked before starting anything)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            return err.strerror or str(err)
+    return None
+
+
 def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     """The workers (with the kvstore) to start first, and the gateway to start once they serve."""
     loopback = "127.0.0.1"
@@ -222,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         print("pdserve up: --prefill and --decode need at least 1 worker each", file=sys.stderr)
         return 2
+    busy = port_in_use(args.host, args.grpc_port)
+    if busy:
+        print(f"pdserve up: cannot use --grpc-port {args.grpc_port} on {args.host}: {busy}", file=sys.stderr)
+        return 1
     sup = Supervisor(args.grace_period)
 
     def request_stop(signum: int, frame: object) -> None:
