@@ -14,7 +14,7 @@ import pytest
 
 from gateway import server as gateway_server
 from gateway.convert import sampling_from_proto, sampling_to_proto
-from gateway.flow import GenerationRequest, ModelInfo, RequestFlow
+from gateway.flow import ModelInfo, RequestFlow
 from gateway.limits import InflightLimit
 from gateway.output import OutputAssembler
 from gateway.prompts import check_fits, tokenize_chat, tokenize_prompt

@@ -3,7 +3,6 @@ stopped by SIGTERM with no child left behind."""
 
 from __future__ import annotations
 
-import os
 import select
 import signal
 import socket
