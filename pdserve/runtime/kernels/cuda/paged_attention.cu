@@ -224,10 +224,12 @@ __device__ __forceinline__ void paged_decode_partition(
             for (int j = 0; j < VEC; ++j) emit(g, c * VEC + j, acc[j]);
         }
     }
-    if (num_partitions > 1 && tid < G) {
-        const long long idx = (out_row0 + tid) * num_partitions + part;
-        part_max[idx] = stats[tid];
-        part_sum[idx] = stats[G + tid];
+    if (num_partitions > 1) {
+        for (int g = tid; g < G; g += DECODE_THREADS) {
+            const long long idx = (out_row0 + g) * num_partitions + part;
+            part_max[idx] = stats[g];
+            part_sum[idx] = stats[G + g];
+        }
     }
 }
 
