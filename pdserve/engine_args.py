@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import torch
 
 from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -29,6 +28,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (0: torch's default)")
 
 
+def add_worker_args(p: argparse.ArgumentParser, default_bind: str) -> None:
+    """Flags of a prefill or decode worker (light: parsing them imports no torch)."""
+    p.add_argument("--bind", default=default_bind, help="host:port to serve gRPC on")
+    p.add_argument("--kvstore", default=os.environ.get("PDSERVE_KVSTORE", "127.0.0.1:50070"),
+                   help="host:port of the KV store service")
+    p.add_argument("--batch-window-ms", type=float, default=2.0,
+                   help="after an idle spell, wait this long for more requests before the first step")
+    p.add_argument("--worker-id", default="", help="name in stats and logs (default: host:port)")
+    add_engine_args(p)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.kv_dtype),
@@ -43,6 +53,8 @@ def build_engine(args: argparse.Namespace):
     """Loads the checkpoint named by the flags and builds an Engine on it."""
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+
+    import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)

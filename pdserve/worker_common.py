@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.client import KVStoreClient
-from pdserve.engine_args import add_engine_args, build_engine
+from pdserve.engine_args import build_engine
 from pdserve.grpc_server import DEFAULT_ERROR_CODES, serve_until_signal, start_server
 from pdserve.kvwire import BlockSpec
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
@@ -65,16 +65,6 @@ def block_spec(engine: Engine) -> BlockSpec:
     c = engine.model_config
     return BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
                      engine.block_manager.block_size)
-
-
-def add_worker_args(p: argparse.ArgumentParser, default_bind: str) -> None:
-    p.add_argument("--bind", default=default_bind, help="host:port to serve gRPC on")
-    p.add_argument("--kvstore", default=os.environ.get("PDSERVE_KVSTORE", "127.0.0.1:50070"),
-                   help="host:port of the KV store service")
-    p.add_argument("--batch-window-ms", type=float, default=2.0,
-                   help="after an idle spell, wait this long for more requests before the first step")
-    p.add_argument("--worker-id", default="", help="name in stats and logs (default: host:port)")
-    add_engine_args(p)
 
 
 def make_worker(args: argparse.Namespace) -> Worker:

@@ -9,7 +9,7 @@ HELP = "run a decode worker (loads KV from the kvstore, batches decoding, stream
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.worker_common import add_worker_args
+    from pdserve.engine_args import add_worker_args
 
     add_worker_args(p, default_bind="0.0.0.0:50062")
 
