@@ -1,0 +1,68 @@
+"""A real pdserve stack for tests: kvstore, prefill and decode workers and the gateway, each
+its own process on loopback, started with `pdserve up`'s own plan and supervisor."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.cli import build_parser
+from pdserve.commands.up import Child, Supervisor, free_port, plan
+from pdserve.v1 import gateway_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+@dataclass
+class Stack:
+    supervisor: Supervisor
+    gateway: Child
+    workers: list[Child]
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.workers if c.spec.name == name)
+
+    @property
+    def gateway_address(self) -> str:
+        return self.gateway.spec.address
+
+    def gateway_stub(self) -> gateway_pb2_grpc.GatewayStub:
+        return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(self.gateway_address))
+
+    def kvstore_stats(self) -> kvstore_pb2.KVStoreStats:
+        with grpc.insecure_channel(self.child("kvstore").spec.address) as ch:
+            return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.KVStoreStatsRequest(), timeout=5)
+
+    def kvstore_stub(self, channel: grpc.Channel) -> kvstore_pb2_grpc.KVStoreStub:
+        return kvstore_pb2_grpc.KVStoreStub(channel)
+
+    def worker_stats(self, name: str) -> worker_pb2.WorkerStats:
+        stub_cls = worker_pb2_grpc.PrefillWorkerStub if name.startswith("prefill") else worker_pb2_grpc.DecodeWorkerStub
+        with grpc.insecure_channel(self.child(name).spec.address) as ch:
+            return stub_cls(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one worker, as a crash would."""
+        child = self.child(name)
+        child.proc.send_signal(signal.SIGKILL)
+        child.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+
+
+def start_stack(prefill: int = 2, decode: int = 2, *extra: str) -> Stack:
+    args = build_parser().parse_args([
+        "up", "--prefill", str(prefill), "--decode", str(decode), "--grpc-port", str(free_port()),
+        "--threads", "1", *extra])
+    workers, gateway = plan(args)
+    sup = Supervisor(grace_s=5.0)
+    try:
+        children = [sup.start(spec) for spec in workers]
+        sup.wait_serving(children, timeout_s=180)
+        gw = sup.start(gateway)
+        sup.wait_serving([gw], timeout_s=180)
+    except BaseException:
+        sup.stop_all()
+        raise
+    return Stack(sup, gw, children)
