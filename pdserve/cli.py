@@ -12,6 +12,7 @@ import sys
 COMMAND_MODULES = (
     "generate",
     "bench_engine",
+    "bench_stack",
     "up",
     "gateway",
     "prefill",

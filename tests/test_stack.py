@@ -15,7 +15,7 @@ from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, kvstore_pb2
-from stack import start_stack
+from pdserve.stack import start_stack
 
 PROMPTS = [
     "Once upon a time",

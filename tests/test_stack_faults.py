@@ -12,7 +12,7 @@ from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2
-from stack import start_stack
+from pdserve.stack import start_stack
 
 PROMPT = "Once upon a time, in a small town, there lived a kind old man who"
 

@@ -92,18 +92,21 @@ def paged_decode_attention(
     """One query token per sequence over its paged context.
 
     q: [B, H, D]; block_tables: [B, MB] (padded); context_lens: [B] -> out [B, H, D].
-    Grouped-query heads are handled by viewing q as [B, KVH, H / KVH, D], never copying KV.
     """
     b, h, d = q.shape
     kvh = kv_cache.shape[4]
     k, v = _gather_kv(kv_cache, layer, block_tables)  # [B, T, KVH, D]
-    k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [B, KVH, T, D]
-    qg = q.view(b, kvh, h // kvh, d)
-    scores = torch.matmul(qg, k.transpose(2, 3)).float() * scale  # [B, KVH, G, T]
-    invalid = torch.arange(k.shape[2], device=q.device)[None, :] >= context_lens[:, None]  # [B, T]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).reshape(b, h, d)
+    t = k.shape[1]
+    invalid = torch.arange(t, device=q.device)[None, :] >= context_lens[:, None]  # [B, T]
+    bias = torch.zeros(b, 1, 1, t, dtype=q.dtype, device=q.device).masked_fill_(
+        invalid[:, None, None, :], float("-inf"))
+    # The H / KVH query heads sharing a kv head are SDPA's "query length": no KV expansion.
+    out = F.scaled_dot_product_attention(
+        q.view(b, kvh, h // kvh, d),  # [B, KVH, G, D]
+        k.transpose(1, 2).to(q.dtype),  # [B, KVH, T, D]
+        v.transpose(1, 2).to(q.dtype),
+        attn_mask=bias, scale=scale)
+    return out.reshape(b, h, d)
 
 
 def prefill_attention(

@@ -1,5 +1,5 @@
-"""A real pdserve stack for tests: kvstore, prefill and decode workers and the gateway, each
-its own process on loopback, started with `pdserve up`'s own plan and supervisor."""
+"""A real pdserve stack started in-process: kvstore, prefill and decode workers and the gateway, each
+its own process on loopback, with `pdserve up`'s plan and supervisor (tests and benchmarks)."""
 
 from __future__ import annotations
 

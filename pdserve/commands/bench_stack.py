@@ -1,0 +1,169 @@
+"""`pdserve bench-stack`: bench-engine's workload through a real disaggregated stack (its own
+kvstore, prefill, decode and gateway processes) at a fixed concurrency, against the same
+workload on the in-process engine at the same concurrency. Reports output tokens/s of both
+and their ratio, TTFT P50/P99, and the KV bytes moved per request."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+NAME = "bench-stack"
+HELP = "benchmark the disaggregated stack against the in-process engine on the same workload"
+
+
+@dataclass
+class RequestTiming:
+    ttft_s: float
+    latency_s: float
+    output_tokens: int
+
+
+@dataclass
+class StackRun:
+    name: str
+    seconds: float
+    timings: list[RequestTiming] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.output_tokens for t in self.timings)
+
+    def summary(self) -> dict:
+        ttft = sorted(t.ttft_s for t in self.timings)
+        return {"name": self.name, "seconds": round(self.seconds, 3), "requests": len(self.timings),
+                "output_tokens": self.output_tokens,
+                "output_tokens_per_s": round(self.output_tokens / self.seconds, 1),
+                "ttft_p50_ms": round(1000 * statistics.median(ttft), 1),
+                "ttft_p99_ms": round(1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 1)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled stories260K)")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 40), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers in the stack")
+    p.add_argument("--decode", type=int, default=1, help="decode workers in the stack")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (both runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results as JSON to this path ('-': stdout)")
+
+
+def text_workload(tokenizer, vocab_size: int, args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(prompt text, output length) pairs; text so the gateway and the engine tokenize alike."""
+    rng = random.Random(args.seed)
+    work = []
+    for _ in range(args.num_requests):
+        ids = [rng.randrange(3, vocab_size) for _ in range(rng.randint(*args.prompt_len))]
+        work.append((tokenizer.decode(ids) or "Once", rng.randint(*args.output_len)))
+    return work
+
+
+def run_in_process(engine, tokenizer, work: list[tuple[str, int]], concurrency: int) -> StackRun:
+    """Closed loop at `concurrency`, like the stack's clients: a new request when one ends."""
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    run, pending = StackRun("in-process", 0.0), list(enumerate(work))
+    start_of: dict[str, float] = {}
+    first_of: dict[str, float] = {}
+    tokens_of: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and len(start_of) < concurrency:
+            i, (text, n) = pending.pop(0)
+            engine.add_request(f"b{i}", tokenizer.encode(text),
+                               SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            start_of[f"b{i}"] = time.perf_counter()
+        for out in engine.step():
+            rid, now = out.request_id, time.perf_counter()
+            first_of.setdefault(rid, now)
+            tokens_of[rid] = tokens_of.get(rid, 0) + len(out.new_token_ids)
+            if out.finished:
+                start = start_of.pop(rid)
+                run.timings.append(RequestTiming(first_of.pop(rid) - start, now - start, tokens_of.pop(rid)))
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+async def run_through_gateway(address: str, work: list[tuple[str, int]], concurrency: int) -> StackRun:
+    import grpc
+
+    from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    run, queue = StackRun("disaggregated", 0.0), asyncio.Queue()
+    for item in work:
+        queue.put_nowait(item)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def client() -> None:
+            while not queue.empty():
+                text, n = queue.get_nowait()
+                request = gateway_pb2.GenerateRequest(prompt=text, sampling=common_pb2.SamplingParams(
+                    max_tokens=n, temperature=0, ignore_eos=True))
+                start, first, tokens = time.perf_counter(), None, 0
+                async for chunk in stub.Generate(request):
+                    if chunk.token_ids and first is None:
+                        first = time.perf_counter()
+                    tokens += len(chunk.token_ids)
+                run.timings.append(RequestTiming(first - start, time.perf_counter() - start, tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        run.seconds = time.perf_counter() - t0
+    return run
+
+
+def kv_bytes_per_request(stack, num_requests: int) -> float:
+    sent = sum(stack.worker_stats(c.spec.name).kv_bytes_sent for c in stack.workers
+               if c.spec.name.startswith("prefill"))
+    return sent / num_requests
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+    from pdserve.stack import start_stack
+
+    torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint(resolve_model_path(args.model))
+    work = text_workload(checkpoint.tokenizer, checkpoint.config.vocab_size, args)
+    engine = Engine.from_checkpoint(checkpoint)
+    local = run_in_process(engine, checkpoint.tokenizer, work, args.concurrency)
+    del engine
+    extra = ["--model", args.model] if args.model else []
+    stack = start_stack(args.prefill, args.decode, "--threads", str(args.threads), *extra)
+    try:
+        asyncio.run(run_through_gateway(stack.gateway_address, work[:4], 4))  # warm-up
+        before = kv_bytes_per_request(stack, 1)
+        remote = asyncio.run(run_through_gateway(stack.gateway_address, work, args.concurrency))
+        kv_per_request = (kv_bytes_per_request(stack, 1) - before) / len(work)
+    finally:
+        stack.stop()
+    return report([local, remote], kv_per_request, args)
+
+
+def report(runs: list[StackRun], kv_per_request: float, args: argparse.Namespace) -> int:
+    rows = [r.summary() for r in runs]
+    data = {"concurrency": args.concurrency, "prefill_workers": args.prefill, "decode_workers": args.decode,
+            "runs": rows, "ratio": round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 2),
+            "kv_bytes_per_request": round(kv_per_request)}
+    print(f"{'run':<15}{'seconds':>9}{'out tok':>9}{'tok/s':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
+    for r in rows:
+        print(f"{r['name']:<15}{r['seconds']:>9.2f}{r['output_tokens']:>9}{r['output_tokens_per_s']:>9.1f}"
+              f"{r['ttft_p50_ms']:>13.1f}{r['ttft_p99_ms']:>13.1f}")
+    print(f"disaggregated / in-process output tokens/s: {data['ratio']:.2f}x; "
+          f"KV moved per request: {data['kv_bytes_per_request'] / 1024:.1f} KiB")
+    if args.json:
+        text = json.dumps(data, indent=2)
+        print(text) if args.json == "-" else open(args.json, "w").write(text + "\n")
+    return 0
