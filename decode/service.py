@@ -42,13 +42,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             blocks = await self.prefetcher.gather(rid, hashes)
             add = lambda e: e.add_prefilled(rid, prompt, request.first_token, params, hashes, blocks)  # noqa: E731
-            async for out in self.worker.aengine.generate(rid, add):
+            async for outs in self.worker.aengine.generate(rid, add):
                 if not imported:
                     imported = True
                     self._unpin(rid, drop=False)  # the KV is in our cache now
-                yield worker_pb2.DecodeChunk(token_ids=out.new_token_ids,
-                                             logprobs=logprobs_to_proto(out.logprobs),
-                                             finish_reason=out.finish_reason)
+                yield worker_pb2.DecodeChunk(token_ids=[t for o in outs for t in o.new_token_ids],
+                                             logprobs=logprobs_to_proto(lp for o in outs for lp in o.logprobs),
+                                             finish_reason=outs[-1].finish_reason)
         finally:
             if not imported:
                 self._unpin(rid, drop=True)

@@ -37,8 +37,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         params = sampling_from_proto(request.sampling)
         last: StepOutput | None = None
         add = lambda e: e.add_request(rid, prompt, params, hold_blocks=True)  # noqa: E731
-        async for out in self.worker.aengine.generate(rid, add):
-            last = out
+        async for outs in self.worker.aengine.generate(rid, add):
+            last = outs[-1]
         blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid))
         try:
             await self._store(rid, blocks)

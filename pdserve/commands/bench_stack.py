@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -121,6 +122,21 @@ async def run_through_gateway(address: str, work: list[tuple[str, int]], concurr
     return run
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds used so far by each named process (Linux /proc)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def kv_bytes_per_request(stack, num_requests: int) -> float:
     sent = sum(stack.worker_stats(c.spec.name).kv_bytes_sent for c in stack.workers
                if c.spec.name.startswith("prefill"))
@@ -145,24 +161,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(run_through_gateway(stack.gateway_address, work[:4], 4))  # warm-up
         before = kv_bytes_per_request(stack, 1)
+        pids = {c.spec.name: c.proc.pid for c in [*stack.workers, stack.gateway]} | {"client": os.getpid()}
+        cpu_before = cpu_seconds(pids)
         remote = asyncio.run(run_through_gateway(stack.gateway_address, work, args.concurrency))
+        cpu = {n: round(t - cpu_before.get(n, 0.0), 2) for n, t in cpu_seconds(pids).items()}
         kv_per_request = (kv_bytes_per_request(stack, 1) - before) / len(work)
     finally:
         stack.stop()
-    return report([local, remote], kv_per_request, args)
+    return report([local, remote], kv_per_request, cpu, args)
 
 
-def report(runs: list[StackRun], kv_per_request: float, args: argparse.Namespace) -> int:
+def report(runs: list[StackRun], kv_per_request: float, cpu: dict[str, float], args: argparse.Namespace) -> int:
     rows = [r.summary() for r in runs]
     data = {"concurrency": args.concurrency, "prefill_workers": args.prefill, "decode_workers": args.decode,
             "runs": rows, "ratio": round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 2),
-            "kv_bytes_per_request": round(kv_per_request)}
+            "kv_bytes_per_request": round(kv_per_request), "cpu_seconds_during_run": cpu}
     print(f"{'run':<15}{'seconds':>9}{'out tok':>9}{'tok/s':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
     for r in rows:
         print(f"{r['name']:<15}{r['seconds']:>9.2f}{r['output_tokens']:>9}{r['output_tokens_per_s']:>9.1f}"
               f"{r['ttft_p50_ms']:>13.1f}{r['ttft_p99_ms']:>13.1f}")
     print(f"disaggregated / in-process output tokens/s: {data['ratio']:.2f}x; "
           f"KV moved per request: {data['kv_bytes_per_request'] / 1024:.1f} KiB")
+    print("CPU seconds during the disaggregated run: " + ", ".join(f"{n} {t:.1f}" for n, t in cpu.items()))
     if args.json:
         text = json.dumps(data, indent=2)
         print(text) if args.json == "-" else open(args.json, "w").write(text + "\n")

@@ -67,9 +67,11 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
-    async def generate(self, request_id: str, add: Callable[[Engine], Any]) -> AsyncIterator[StepOutput]:
+    async def generate(self, request_id: str, add: Callable[[Engine], Any]) -> AsyncIterator[list[StepOutput]]:
         """Adds a request with `add(engine)` and yields its outputs until it finishes.
 
+        Each item is every output that arrived since the last one (usually one): when the
+        consumer falls behind the engine, tokens are coalesced instead of queueing messages.
         Leaving early (client gone, cancellation, error) aborts the request and frees its KV.
         """
         outputs: asyncio.Queue = asyncio.Queue()
@@ -78,11 +80,14 @@ class AsyncEngine:
         try:
             await self.call(add)
             while not finished:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
+                batch = [await outputs.get()]
+                while not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                for out in batch:
+                    if isinstance(out, BaseException):
+                        raise out
+                finished = batch[-1].finished
+                yield batch
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -125,15 +130,22 @@ class AsyncEngine:
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
             return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
-                loop, outputs_queue = target
-                loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, deliveries in by_loop.items():  # one wake-up of each loop per step
+            loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _fail_all(self, exc: BaseException) -> None:
         for loop, outputs_queue in list(self._streams.values()):
             loop.call_soon_threadsafe(outputs_queue.put_nowait, exc)
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for outputs_queue, out in deliveries:
+        outputs_queue.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
