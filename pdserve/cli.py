@@ -18,6 +18,9 @@ COMMAND_MODULES = (
     "prefill",
     "decode",
     "kvstore",
+    "quantize",
+    "quant_eval",
+    "bench_kv",
 )
 
 
