@@ -1,9 +1,12 @@
-"""gRPC servicer of pdserve.v1.KVStore: converts protobuf messages to MemoryBlockStore calls.
+"""gRPC servicer of pdserve.v1.KVStore: converts protobuf messages to TieredStore calls.
 
 Blocks travel one per message in both directions (PutBlocks client-streaming, GetBlocks
 server-streaming) so bulk transfers never build one giant message. The service treats block
 data as opaque bytes; it only checks the wire header's magic, version and length so that garbage
 is refused at the door (readers still verify the checksum and the model fingerprint).
+
+It also keeps the ResidencyIndex (which decode worker holds which blocks in its paged cache):
+decode workers report into it, and Lookup(with_residency) reads it for the gateway's router.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvstore.residency import ResidencyIndex
 from kvstore.store import MemoryBlockStore, PutOutcome, StoreFullError
+from kvstore.tiered import TieredStore
 from pdserve.grpc_server import abort_on
 from pdserve.kvwire import HEADER_SIZE, KVBlockError, read_header
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -33,10 +38,11 @@ def check_block_data(data: bytes) -> None:
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
-    """Serves one MemoryBlockStore."""
+    """Serves one TieredStore (a bare MemoryBlockStore is wrapped: memory tier only)."""
 
-    def __init__(self, store: MemoryBlockStore) -> None:
-        self.store = store
+    def __init__(self, store: TieredStore | MemoryBlockStore, residency: ResidencyIndex | None = None) -> None:
+        self.store = store if isinstance(store, TieredStore) else TieredStore(store)
+        self.residency = residency or ResidencyIndex()
 
     @abort_on()
     async def PutBlocks(self, request_iterator: AsyncIterator[kvstore_pb2.PutBlockRequest],
@@ -70,7 +76,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[kvstore_pb2.KVBlock]:
         # Fetch (and pin) everything up front: the bytes are immutable, so later evictions
         # cannot change what this stream sends.
-        found = self.store.get(list(request.block_hashes), lease=request.request_id)
+        found = await self.store.get(list(request.block_hashes), lease=request.request_id)
         for block_hash, data in zip(request.block_hashes, found):
             if data is None:
                 yield kvstore_pb2.KVBlock(block_hash=block_hash, missing=True)
@@ -80,9 +86,20 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     @abort_on()
     async def Lookup(self, request: kvstore_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupResponse:
-        present = self.store.presence(request.block_hashes)
+        hashes = list(request.block_hashes)
+        present = await self.store.presence(hashes)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
-        return kvstore_pb2.LookupResponse(prefix_blocks=prefix, present=present)
+        response = kvstore_pb2.LookupResponse(prefix_blocks=prefix, present=present)
+        if request.with_residency:
+            response.residency.extend(kvstore_pb2.WorkerPrefix(worker_id=w, prefix_blocks=n)
+                                      for w, n in self.residency.prefixes(hashes))
+        return response
+
+    @abort_on()
+    async def ReportResidency(self, request: kvstore_pb2.ResidencyReport,
+                              context: grpc.aio.ServicerContext) -> kvstore_pb2.ResidencyAck:
+        need_reset = self.residency.report(request.worker_id, request.added, request.removed, request.reset)
+        return kvstore_pb2.ResidencyAck(need_reset=need_reset)
 
     @abort_on()
     async def Release(self, request: kvstore_pb2.ReleaseRequest,
@@ -97,7 +114,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.KVStoreStats(**dataclasses.asdict(self.store.stats()))
 
 
-def add_to_server(store: MemoryBlockStore, server: grpc.aio.Server) -> KVStoreServicer:
+def add_to_server(store: TieredStore | MemoryBlockStore, server: grpc.aio.Server) -> KVStoreServicer:
     """Register a servicer of `store` on `server` and return it."""
     servicer = KVStoreServicer(store)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(servicer, server)

@@ -9,6 +9,12 @@ Only unpinned blocks are evicted, least recently used first (a put, a get hit, o
 last pin counts as a use; `lookup` does not, so probing never keeps blocks alive). Capacity counts
 block data bytes only.
 
+Watermarks: when a put would take the data above `high_watermark * capacity`, unpinned blocks
+are evicted until it fits under `low_watermark * capacity`, so that a burst of puts pays for one
+eviction sweep instead of one eviction per put (both default to 1.0: evict exactly what is
+needed). `on_evict(hash, data)` hears of every eviction (the Redis tier spills blocks it does not
+hold yet).
+
 Not thread-safe: the gRPC service calls it from its single asyncio event loop.
 """
 
@@ -46,6 +52,9 @@ class StoreStats:
     evictions: int
     bytes_in: int  # data bytes of accepted puts (stored or already present)
     bytes_out: int  # data bytes returned by gets
+    backend_hits: int = 0  # memory misses found in the Redis tier (TieredStore only)
+    backend_errors: int = 0  # failed Redis operations
+    backend_up: bool = False  # a Redis tier is configured and answering
 
 
 @dataclass(slots=True)
@@ -79,13 +88,21 @@ class MemoryBlockStore:
     """Content-addressed block store bounded by `capacity_bytes`; see the module docstring."""
 
     def __init__(self, capacity_bytes: int, lease_ttl_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, high_watermark: float = 1.0,
+                 low_watermark: float = 1.0,
+                 on_evict: Callable[[bytes, bytes], None] | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(f"need 0 < low_watermark ({low_watermark}) <= high_watermark "
+                             f"({high_watermark}) <= 1")
         self.capacity_bytes = capacity_bytes
         self.lease_ttl_s = lease_ttl_s
+        self.high_bytes = int(capacity_bytes * high_watermark)
+        self.low_bytes = int(capacity_bytes * low_watermark)
+        self.on_evict = on_evict
         self._clock = clock
         self._blocks: dict[bytes, _Entry] = {}
         # Unpinned blocks only, least recently used first: eviction pops from the front in O(1).
@@ -140,6 +157,14 @@ class MemoryBlockStore:
         if lease in self._leases:
             self._touch_lease(lease)  # any activity keeps a live lease alive, even all misses
         return found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether `block_hash` is held (no lease expiry, no use)."""
+        return block_hash in self._blocks
 
     def presence(self, hashes: Iterable[bytes]) -> list[bool]:
         """Whether each hash is stored; does not count as a use."""
@@ -215,10 +240,18 @@ class MemoryBlockStore:
             raise StoreFullError(
                 f"block of {size} bytes does not fit: {pinned_bytes} of {self.capacity_bytes} "
                 f"bytes are pinned by {len(self._leases)} leases")
-        while self._used_bytes + size > self.capacity_bytes:
+        if self._used_bytes + size <= self.high_bytes:
+            return
+        # Above the high watermark: sweep down to the low one (or as far as unpinned blocks
+        # allow; the hard limit is the capacity, which the pinned check above guarantees).
+        while self._lru and (self._used_bytes + size > self.low_bytes
+                             or self._used_bytes + size > self.capacity_bytes):
             victim, _ = self._lru.popitem(last=False)
+            data = self._blocks[victim].data
             self._delete(victim, in_lru=False)
             self._counters.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim, data)
 
     def _delete(self, block_hash: bytes, in_lru: bool = True) -> None:
         entry = self._blocks.pop(block_hash)

@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -45,18 +45,48 @@ class KVBlock(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "with_residency")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WITH_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    with_residency: bool
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., with_residency: _Optional[bool] = ...) -> None: ...
+
+class WorkerPrefix(_message.Message):
+    __slots__ = ("worker_id", "prefix_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    prefix_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., prefix_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prefix_blocks", "present")
+    __slots__ = ("prefix_blocks", "present", "residency")
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     prefix_blocks: int
     present: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, prefix_blocks: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
+    residency: _containers.RepeatedCompositeFieldContainer[WorkerPrefix]
+    def __init__(self, prefix_blocks: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ..., residency: _Optional[_Iterable[_Union[WorkerPrefix, _Mapping]]] = ...) -> None: ...
+
+class ResidencyReport(_message.Message):
+    __slots__ = ("worker_id", "added", "removed", "reset")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    added: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    reset: bool
+    def __init__(self, worker_id: _Optional[str] = ..., added: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class ResidencyAck(_message.Message):
+    __slots__ = ("need_reset",)
+    NEED_RESET_FIELD_NUMBER: _ClassVar[int]
+    need_reset: bool
+    def __init__(self, need_reset: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "drop")
@@ -77,7 +107,7 @@ class KVStoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVStoreStats(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "num_pinned", "num_leases", "puts", "gets", "hits", "misses", "evictions", "bytes_in", "bytes_out")
+    __slots__ = ("capacity_bytes", "used_bytes", "num_blocks", "num_pinned", "num_leases", "puts", "gets", "hits", "misses", "evictions", "bytes_in", "bytes_out", "backend_hits", "backend_errors", "backend_up")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +120,9 @@ class KVStoreStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_HITS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_UP_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     num_blocks: int
@@ -102,4 +135,7 @@ class KVStoreStats(_message.Message):
     evictions: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_leases: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+    backend_hits: int
+    backend_errors: int
+    backend_up: bool
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_pinned: _Optional[int] = ..., num_leases: _Optional[int] = ..., puts: _Optional[int] = ..., gets: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., backend_hits: _Optional[int] = ..., backend_errors: _Optional[int] = ..., backend_up: _Optional[bool] = ...) -> None: ...

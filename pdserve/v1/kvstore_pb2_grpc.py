@@ -60,6 +60,11 @@ class KVStoreStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVStoreStatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVStoreStats.FromString,
                 _registered_method=True)
+        self.ReportResidency = channel.unary_unary(
+                '/pdserve.v1.KVStore/ReportResidency',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyReport.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyAck.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -101,6 +106,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportResidency(self, request, context):
+        """A decode worker reports which full blocks its paged cache holds (deltas, or a full reset),
+        so that Lookup can tell the gateway which worker already has a prompt's prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.KVStoreStatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.KVStoreStats.SerializeToString,
+            ),
+            'ReportResidency': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportResidency,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyReport.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +284,33 @@ class KVStore:
             '/pdserve.v1.KVStore/Stats',
             pdserve_dot_v1_dot_kvstore__pb2.KVStoreStatsRequest.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.KVStoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportResidency(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStore/ReportResidency',
+            pdserve_dot_v1_dot_kvstore__pb2.ResidencyReport.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.ResidencyAck.FromString,
             options,
             channel_credentials,
             insecure,

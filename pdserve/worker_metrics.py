@@ -1,0 +1,21 @@
+"""Prometheus metrics of the prefill and decode workers (default registry; names fixed by the issue).
+
+`PREFETCH_BLOCKS` is also what the gateway counts its session predictions in: it lives here, and
+gateway.metrics re-exports it, so that one process importing both never registers it twice.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+# direction: "put" (worker -> kvstore: prefill blocks, decode write-back), "get" (kvstore -> worker)
+KV_TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total",
+                            "Wire-encoded KV bytes moved between a worker and the kvstore", ["direction"])
+KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds",
+                                "Duration of one batched KV transfer between a worker and the kvstore",
+                                ["direction"],
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+# signal: dispatch | session | hot; outcome: hit (prefetched and then used), late (the request came
+# before the blocks did), wasted (prefetched and never used: evicted, dropped, or the session quit)
+PREFETCH_BLOCKS = Counter("pdserve_prefetch_blocks_total", "Prefetch decisions, counted in KV blocks",
+                          ["signal", "outcome"])
