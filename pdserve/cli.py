@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "quantize",
     "quant_eval",
     "bench_kv",
+    "bench",
 )
 
 
