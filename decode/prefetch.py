@@ -1,83 +1,148 @@
-"""BlockPrefetcher: gets the KV blocks a request needs onto this worker, early when hinted.
+"""BlockPrefetcher: gets the KV blocks a request needs onto this worker, early when told to.
 
-A Prepare hint (sent by the gateway before prefill starts) fetches the blocks that already
-exist in the KV store into a bounded staging area, so that by the time Decode arrives only
-the freshly prefilled blocks still have to move. Blocks already in this worker's paged
-cache are never fetched. A block that fails its header or checksum check is dropped: the
-engine then recomputes that request's prompt instead of decoding garbage.
+Three signals bring blocks here before a Decode asks for them (PrepareRequest.signal):
+  * dispatch: the gateway routed a request here and prefill is running; the blocks that already
+    exist in the kvstore are fetched into a bounded staging area, so that by the time Decode
+    arrives only the freshly prefilled blocks still have to move.
+  * session: a conversation's next turn is predicted soon; its blocks (promoted from Redis to the
+    kvstore's memory by the very fetch) go into the paged cache as cached, shareable blocks.
+  * hot: a prefix many requests share; kept in the paged cache of every decode worker.
+Blocks already in the paged cache are never fetched. A block that fails its header or checksum
+check is dropped: the engine then recomputes that request's prompt instead of decoding garbage.
+
+Every prefetched block is counted once in pdserve_prefetch_blocks_total{signal, outcome}:
+hit (a Decode used it), late (a Decode needed it while it was still on its way), wasted (evicted,
+dropped or aged out before any Decode used it).
+
+Picking up prefill's blocks as they are written (before Prefill returns) is not done: prefill
+puts the prompt's blocks in one stream after its last chunk, so there is nothing to pick up
+early; Decode fetches them in one GetBlocks right after.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from pdserve.kvwire import KVBlockError, decode_block
-from pdserve.worker_common import Worker
+from pdserve.runtime.kv_transfer import import_cached_blocks
+from pdserve.worker_common import Worker, record_transfer
+from pdserve.worker_metrics import PREFETCH_BLOCKS
 
 log = logging.getLogger(__name__)
 
+SIGNALS = ("dispatch", "session", "hot")
+STAGED_TTL_S = 60.0  # a staged block no Decode claimed by then is dropped (wasted)
+
 
 class BlockPrefetcher:
-    def __init__(self, worker: Worker, max_staged_blocks: int = 4096) -> None:
+    def __init__(self, worker: Worker, max_staged_blocks: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.worker = worker
         self.max_staged_blocks = max_staged_blocks
-        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # [L, 2, bs, KVH, D] each
-        self._inflight: dict[bytes, asyncio.Future] = {}
-        self.hits = 0  # blocks a Decode found staged or in flight thanks to a hint
+        self._clock = clock
+        # dispatch: decoded blocks waiting for their Decode, with when they were staged
+        self._staged: OrderedDict[bytes, tuple[torch.Tensor, float]] = OrderedDict()
+        self._inflight: dict[bytes, tuple[str, asyncio.Future]] = {}  # hash -> (signal, fetch task)
+        self._promoted: dict[bytes, str] = {}  # session/hot blocks put in the paged cache, not used yet
+        self.hits = 0  # blocks a Decode found prefetched (any signal)
         self.rejected = 0  # blocks that failed their wire checks
 
     def is_local(self, h: bytes) -> bool:
         return self.worker.engine.block_manager.lookup(h) is not None
 
-    def prefetch(self, hashes: Sequence[bytes]) -> tuple[int, int]:
-        """Starts fetching what is neither local nor staged; returns (local, fetching)."""
+    def prefetch(self, hashes: Sequence[bytes], signal: str = "dispatch") -> tuple[int, int]:
+        """Starts fetching what is neither local, staged nor in flight; returns (local, fetching)."""
+        if signal not in SIGNALS:
+            raise ValueError(f"unknown prefetch signal {signal!r}: use one of {', '.join(SIGNALS)}")
+        self._drop_stale()
         wanted = [h for h in hashes if not self.is_local(h) and h not in self._staged and h not in self._inflight]
         if wanted:
-            self._start_fetch(wanted, request_id="")
+            task = asyncio.ensure_future(self._fetch_and_place(wanted, signal))
+            for h in wanted:
+                self._inflight[h] = (signal, task)
         return len(hashes) - len(wanted), len(wanted)
 
     async def gather(self, request_id: str, hashes: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
         """The decoded blocks among `hashes` that are not in the paged cache already."""
+        for h in hashes:
+            self._claim_promoted(h)
         needed = [h for h in hashes if not self.is_local(h)]
         found: dict[bytes, torch.Tensor] = {}
         for h in needed:
             if h in self._inflight:
-                await asyncio.shield(self._inflight[h])
+                signal, task = self._inflight[h]
+                PREFETCH_BLOCKS.labels(signal=signal, outcome="late").inc()
+                await asyncio.shield(task)
+                self._claim_promoted(h)
             if h in self._staged:
-                found[h] = self._staged.pop(h)
+                found[h] = self._staged.pop(h)[0]
                 self.hits += 1
-        missing = [h for h in needed if h not in found]
+                PREFETCH_BLOCKS.labels(signal="dispatch", outcome="hit").inc()
+        missing = [h for h in needed if h not in found and not self.is_local(h)]
         if missing:
             found.update(await self._fetch(missing, request_id))
         return found
 
-    def _start_fetch(self, hashes: list[bytes], request_id: str) -> None:
-        task = asyncio.ensure_future(self._fetch_and_stage(hashes, request_id))
+    def evicted(self, hashes: Iterable[bytes]) -> None:
+        """Blocks that left the paged cache: promoted ones nobody used were wasted."""
         for h in hashes:
-            self._inflight[h] = task
+            signal = self._promoted.pop(h, None)
+            if signal is not None:
+                PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc()
 
-    async def _fetch_and_stage(self, hashes: list[bytes], request_id: str) -> None:
+    def _claim_promoted(self, h: bytes) -> None:
+        signal = self._promoted.pop(h, None)
+        if signal is not None and self.is_local(h):
+            self.hits += 1
+            PREFETCH_BLOCKS.labels(signal=signal, outcome="hit").inc()
+
+    async def _fetch_and_place(self, hashes: list[bytes], signal: str) -> None:
         try:
-            blocks = await self._fetch(hashes, request_id)
+            blocks = await self._fetch(hashes, request_id="")
+            if signal == "dispatch":
+                self._stage(blocks)
+            else:
+                await self._promote(hashes, blocks, signal)
         except Exception as exc:  # noqa: BLE001 - a hint must never fail a request
-            log.warning("prefetch of %d blocks failed: %s", len(hashes), exc)
-            blocks = {}
+            log.warning("%s prefetch of %d blocks failed: %s", signal, len(hashes), exc)
         finally:
             for h in hashes:
                 self._inflight.pop(h, None)
+
+    def _stage(self, blocks: dict[bytes, torch.Tensor]) -> None:
+        now = self._clock()
         for h, t in blocks.items():
-            self._staged[h] = t
+            self._staged[h] = (t, now)
         while len(self._staged) > self.max_staged_blocks:
             self._staged.popitem(last=False)
+            PREFETCH_BLOCKS.labels(signal="dispatch", outcome="wasted").inc()
+
+    async def _promote(self, hashes: list[bytes], blocks: dict[bytes, torch.Tensor], signal: str) -> None:
+        chain = [h for h in hashes if h in blocks]
+        copied = await self.worker.aengine.call(lambda e: import_cached_blocks(e, chain, blocks))
+        for h in chain[:copied]:
+            self._promoted[h] = signal
+        if len(chain) > copied:  # no room in the paged cache: fetched for nothing
+            PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc(len(chain) - copied)
+
+    def _drop_stale(self) -> None:
+        cutoff = self._clock() - STAGED_TTL_S
+        while self._staged and next(iter(self._staged.values()))[1] < cutoff:
+            self._staged.popitem(last=False)
+            PREFETCH_BLOCKS.labels(signal="dispatch", outcome="wasted").inc()
 
     async def _fetch(self, hashes: list[bytes], request_id: str) -> dict[bytes, torch.Tensor]:
+        start = time.perf_counter()
         datas = await self.worker.kv.get_blocks(hashes, request_id)
-        self.worker.counters.kv_bytes_received += sum(len(d) for d in datas if d)
+        nbytes = sum(len(d) for d in datas if d)
+        self.worker.counters.kv_bytes_received += nbytes
+        record_transfer(self.worker, "get", nbytes, time.perf_counter() - start)
         return await asyncio.to_thread(self._decode_all, hashes, datas)
 
     def _decode_all(self, hashes: list[bytes], datas: list[bytes | None]) -> dict[bytes, torch.Tensor]:

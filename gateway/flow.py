@@ -6,9 +6,12 @@
                   (SamplingParams validated its own fields already)             INVALID_ARGUMENT
      3. admit: the gateway's bounded in-flight count (limits.InflightLimit)      RESOURCE_EXHAUSTED
      4. hash the prompt's full blocks (block_hash.prompt_block_hashes)          -> hashes
-     5. pick a decode worker (router: least loaded, healthy) and send it
-        Prepare(hashes), not awaited: KV that already exists starts moving now  UNAVAILABLE if none
-     6. ask the kvstore how many leading blocks it holds (best effort)          -> cached_blocks hint
+     5. ask the kvstore how many leading blocks it holds and which decode worker holds how many
+        in its paged cache (best effort)                         -> cached_blocks hint, residency
+     6. pick a decode worker by KV-aware cost (router.pick_decode: load, free KV, resident prefix,
+        the session's last worker) and send it Prepare(hashes), not awaited: KV that already
+        exists starts moving now; a hot prefix is also sent to the decode workers lacking it
+                                                                                UNAVAILABLE if none
      7. pick a prefill worker; Prefill -> first token + every block hash; a worker that answers
         UNAVAILABLE is marked down and the call is retried once on another (same request id,
         so the retry is idempotent)                                             -> PrefillResult
@@ -23,11 +26,18 @@ Every downstream call gets the client's remaining time as its timeout. A client 
 the task running this generator, which cancels the call in progress. Work owned by nobody is
 released here: the kvstore lease of a request that never reaches a decode worker (or whose
 decode worker failed) is ended in the background.
+
+Requests with a session_id feed `sessions.SessionTracker`; a background task (started with the
+first such request) sends each session's blocks to its decode worker shortly before its next
+turn is predicted (PDSERVE_SESSION_PREFETCH=0 turns it off, PDSERVE_HOT_PREFIX_MIN sets how many
+requests within a minute make a prefix hot, 0 = off).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -37,8 +47,10 @@ import grpc
 from gateway import worker_calls
 from gateway.background import spawn
 from gateway.limits import InflightLimit
+from gateway.metrics import PREFIX_CACHE_HIT_TOKENS, PROMPT_TOKENS
 from gateway.output import OutputAssembler, OutputChunk
 from gateway.prompts import check_fits, tokenize_chat, tokenize_prompt
+from gateway.sessions import HotPrefixes, SessionTracker
 from gateway.worker_calls import PrefillResult
 from gateway.workers import WorkerEndpoint, WorkerPool
 from kvstore.client import KVStoreClient
@@ -50,6 +62,7 @@ from pdserve.runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 TimeRemaining = Callable[[], float | None]  # seconds left of the client's deadline, None = none
+SESSION_TICK_S = 0.05  # how often the session predictor looks for due prefetches
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +91,18 @@ class RequestFlow:
     """Runs requests through the prefill and decode pools; see the module docstring for the path."""
 
     def __init__(self, model: ModelInfo, prefill: WorkerPool, decode: WorkerPool,
-                 kvstore: KVStoreClient | None, limit: InflightLimit) -> None:
+                 kvstore: KVStoreClient | None, limit: InflightLimit,
+                 sessions: SessionTracker | None = None, hot: HotPrefixes | None = None) -> None:
         self.model = model
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.kvstore = kvstore
         self.limit = limit
+        prefetch_sessions = os.environ.get("PDSERVE_SESSION_PREFETCH", "1") != "0"
+        self.sessions = sessions or (SessionTracker() if prefetch_sessions else None)
+        hot_min = int(os.environ.get("PDSERVE_HOT_PREFIX_MIN", "4"))
+        self.hot = hot or (HotPrefixes(min_requests=hot_min) if hot_min > 0 else None)
+        self._session_task: asyncio.Task | None = None
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """Steps 1-2: validated prompt ids; ValueError with an actionable message."""
@@ -108,34 +127,86 @@ class RequestFlow:
         rid, sampling = request.request_id, request.sampling
         m = self.model
         hashes = prompt_block_hashes(prompt_ids, m.block_size, m.fingerprint, m.kv_dtype)
-        hinted = self.decode_pool.pick()  # before prefill: no point computing KV nobody can decode
+        cached_blocks, resident = await self._lookup(hashes)
+        session_home = self._session_arrival(request.session_id)
+        blocks_needed = -(-(len(prompt_ids) + sampling.max_tokens) // m.block_size)
+        # Before prefill: no point computing KV nobody can decode.
+        hinted = self.decode_pool.pick_decode(blocks_needed, resident, session_home)
+        generated: list[int] = []
         try:
             with hinted.track():  # counted from the pick so that concurrent requests spread out
                 worker_calls.send_prepare(hinted, rid, hashes)
-                cached_blocks = await self._cached_blocks(hashes)
+                self._send_hot(hashes, resident)
                 result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
+            PROMPT_TOKENS.inc(result.prompt_tokens)
+            PREFIX_CACHE_HIT_TOKENS.inc(result.cached_tokens)
             out = OutputAssembler(m.tokenizer, prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
             first_lp = (result.first_logprob,) if result.first_logprob else ()
+            generated.append(result.first_token)
             yield out.add((result.first_token,), first_lp, result.finish_reason)
             if out.finished:
                 self._end_lease(rid)  # no decode worker will ever own this request's blocks
+                self._session_end(request.session_id, "", prompt_ids, generated)
                 return
-            decode_ep = hinted if hinted.healthy else self.decode_pool.pick()
+            decode_ep = hinted if hinted.healthy else self.decode_pool.pick_decode(blocks_needed, resident)
             async for chunk in self._decode(decode_ep, rid, prompt_ids, result, sampling, out, time_remaining):
+                generated.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    self._session_end(request.session_id, decode_ep.address, prompt_ids, generated)
                 yield chunk
         except ServiceError:
             self._end_lease(rid)  # a failed worker may have left the request's blocks pinned
             raise
 
-    async def _cached_blocks(self, hashes: Sequence[bytes]) -> int:
-        """Leading blocks the kvstore holds: a hint for prefill, 0 when the store cannot tell."""
+    async def _lookup(self, hashes: Sequence[bytes]) -> tuple[int, dict[str, int]]:
+        """(leading blocks the kvstore holds, {decode worker id: leading blocks resident there});
+        (0, {}) when the store cannot tell: only hints."""
         if not hashes or self.kvstore is None:
-            return 0
+            return 0, {}
         try:
-            return await self.kvstore.lookup(hashes)
+            return await self.kvstore.lookup_residency(hashes)
         except grpc.aio.AioRpcError as err:
             log.debug("kvstore lookup failed (%s); prefill gets no cache hint", err.code().name)
-            return 0
+            return 0, {}
+
+    # ---- predictive prefetch: sessions and hot prefixes ---------------------------------------
+
+    def _session_arrival(self, session_id: str) -> str:
+        if not session_id or self.sessions is None:
+            return ""
+        if self._session_task is None or self._session_task.done():
+            self._session_task = spawn(self._prefetch_sessions_forever(), name="session-prefetch")
+        return self.sessions.arrival(session_id)
+
+    def _session_end(self, session_id: str, worker: str, prompt_ids: list[int], generated: list[int]) -> None:
+        if not session_id or self.sessions is None:
+            return
+        m = self.model
+        tokens = prompt_ids + generated[:-1]  # the last token has no KV on the worker
+        self.sessions.finished(session_id, worker,
+                               prompt_block_hashes(tokens, m.block_size, m.fingerprint, m.kv_dtype))
+
+    async def _prefetch_sessions_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SESSION_TICK_S)
+            try:
+                for plan in self.sessions.due():
+                    ep = self.decode_pool.by_address(plan.worker)
+                    if ep is None or not ep.healthy:
+                        continue  # its worker is gone: the next turn will be routed afresh
+                    worker_calls.send_prepare(ep, f"session-{plan.session_id}", plan.block_hashes, "session")
+            except Exception:  # noqa: BLE001 - the predictor must survive anything
+                log.exception("session prefetch failed")
+
+    def _send_hot(self, hashes: Sequence[bytes], resident: Mapping[str, int]) -> None:
+        if self.hot is None:
+            return
+        chain = self.hot.observe(hashes)
+        if chain is None:
+            return
+        by_id = {ep.worker_id: ep for ep in self.decode_pool.endpoints if ep.healthy and ep.worker_id}
+        for worker_id in self.hot.targets(chain, list(by_id), resident):
+            worker_calls.send_prepare(by_id[worker_id], f"hot-{chain[-1].hex()[:12]}", chain, "hot")
 
     async def _prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
                        cached_blocks: int, time_remaining: TimeRemaining) -> PrefillResult:

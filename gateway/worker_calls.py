@@ -85,11 +85,14 @@ async def prefill(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int]
                          reply.cached_tokens, reply.finish_reason)
 
 
-def send_prepare(ep: WorkerEndpoint, request_id: str, block_hashes: Sequence[bytes]) -> asyncio.Task:
-    """Fire the Prepare hint; its outcome never matters for correctness, so failures are only logged."""
+def send_prepare(ep: WorkerEndpoint, request_id: str, block_hashes: Sequence[bytes],
+                 signal: str = "dispatch") -> asyncio.Task:
+    """Fire the Prepare hint (`signal`: dispatch | session | hot); its outcome never matters for
+    correctness, so failures are only logged."""
     async def call() -> None:
         try:
-            await ep.stub.Prepare(worker_pb2.PrepareRequest(request_id=request_id, block_hashes=block_hashes),
+            await ep.stub.Prepare(worker_pb2.PrepareRequest(request_id=request_id, block_hashes=block_hashes,
+                                                            signal=signal),
                                   timeout=PREPARE_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             log.debug("Prepare hint to %s for %s failed: %s", ep.address, request_id, err.code().name)

@@ -6,14 +6,15 @@ A pool starts from its targets (see `targets`): each resolved address becomes a
 adding endpoints for new addresses and retiring the ones gone (their channel is closed once their
 last call ends). An endpoint is marked down by a failed probe or by `mark_down` (a call saw
 UNAVAILABLE) and comes back up on the next successful probe. `pick` asks `router` for the
-least-loaded healthy endpoint.
+least-loaded healthy endpoint; `pick_decode` for the KV-aware choice, using what each probe also
+learns from the worker's Stats (its worker id, running batch and free KV blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.router import Candidate, pick_least_loaded
+from gateway.router import Candidate, DecodeCandidate, pick_decode, pick_least_loaded
 from gateway.targets import Target, resolve
 from pdserve.grpc_server import ServiceError, grpc_channel
+from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,11 @@ class WorkerEndpoint:
     inflight: int = 0
     healthy: bool = False  # unknown until the first probe answers
     last_error: str = "not probed yet"
+    # From the worker's Stats at the last probe ("" / 0 until one answers).
+    worker_id: str = ""
+    running: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -96,6 +103,24 @@ class WorkerPool:
                                f"no healthy {self.kind} worker: {self.describe()}")
         self._cursor = index + 1
         return self.endpoints[index]
+
+    def pick_decode(self, blocks_needed: int, resident: Mapping[str, int], session_address: str = "",
+                    exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:
+        """The KV-aware choice (router.pick_decode); `resident` maps worker ids to the prompt's
+        leading blocks in their paged cache, `session_address` is the session's last worker."""
+        candidates = [DecodeCandidate(ep.address, ep.healthy and ep not in exclude, ep.inflight, ep.running,
+                                      ep.free_blocks, ep.total_blocks, resident.get(ep.worker_id, 0) if ep.worker_id else 0,
+                                      ep.address == session_address)
+                      for ep in self.endpoints]
+        index = pick_decode(candidates, blocks_needed, self._cursor)
+        if index is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"no healthy {self.kind} worker: {self.describe()}")
+        self._cursor = index + 1
+        return self.endpoints[index]
+
+    def by_address(self, address: str) -> WorkerEndpoint | None:
+        return next((ep for ep in self.endpoints if ep.address == address), None)
 
     def mark_down(self, ep: WorkerEndpoint, reason: str) -> None:
         """Take `ep` out of routing until its next successful health probe."""
@@ -156,9 +181,21 @@ class WorkerPool:
             return
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             self.mark_down(ep, f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-        elif not ep.healthy:
-            log.info("%s worker %s is healthy", self.kind, ep.address)
-            ep.healthy, ep.last_error = True, ""
+        else:
+            if not ep.healthy:
+                log.info("%s worker %s is healthy", self.kind, ep.address)
+                ep.healthy, ep.last_error = True, ""
+            await self._poll_stats(ep)
+
+    async def _poll_stats(self, ep: WorkerEndpoint) -> None:
+        """Load and identity for routing; a worker without Stats (tests' fakes) just lacks them."""
+        try:
+            stats = await ep.stub.Stats(worker_pb2.StatsRequest(), timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            log.debug("Stats of %s worker %s failed: %s", self.kind, ep.address, err.code().name)
+            return
+        ep.worker_id, ep.running = stats.worker_id, stats.num_running
+        ep.free_blocks, ep.total_blocks = stats.num_blocks_free, stats.num_blocks_total
 
     async def _close_idle_retired(self) -> None:
         for ep in [ep for ep in self._retiring if ep.inflight == 0]:

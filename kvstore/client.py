@@ -81,8 +81,22 @@ class KVStoreClient:
         """Number of leading hashes the store holds."""
         return (await self._lookup(hashes)).prefix_blocks
 
-    async def _lookup(self, hashes: Sequence[bytes]) -> kvstore_pb2.LookupResponse:
-        return await self._stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes), timeout=self.timeout_s)
+    async def lookup_residency(self, hashes: Sequence[bytes]) -> tuple[int, dict[str, int]]:
+        """(leading hashes stored, {decode worker id: leading hashes in its paged cache})."""
+        response = await self._lookup(hashes, with_residency=True)
+        return response.prefix_blocks, {w.worker_id: w.prefix_blocks for w in response.residency}
+
+    async def _lookup(self, hashes: Sequence[bytes], with_residency: bool = False) -> kvstore_pb2.LookupResponse:
+        return await self._stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes, with_residency=with_residency),
+                                       timeout=self.timeout_s)
+
+    async def report_residency(self, worker_id: str, added: Iterable[bytes], removed: Iterable[bytes],
+                               reset: bool) -> bool:
+        """Tell the store which full blocks entered/left `worker_id`'s paged cache; True when the
+        store asks for a full report (reset) next."""
+        response = await self._stub.ReportResidency(kvstore_pb2.ResidencyReport(
+            worker_id=worker_id, added=list(added), removed=list(removed), reset=reset), timeout=self.timeout_s)
+        return response.need_reset
 
     async def release(self, request_id: str, drop: bool = False) -> int:
         """End the lease `request_id`; `drop` also deletes its unshared blocks. Returns blocks unpinned."""

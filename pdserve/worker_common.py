@@ -61,6 +61,14 @@ class Worker:
             kv_bytes_sent=self.counters.kv_bytes_sent)
 
 
+def record_transfer(worker: Worker, direction: str, nbytes: int, seconds: float) -> None:
+    """Count one batched KV transfer ("put": to the kvstore, "get": from it) in the metrics."""
+    from pdserve.worker_metrics import KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS
+
+    KV_TRANSFER_BYTES.labels(direction=direction).inc(nbytes)
+    KV_TRANSFER_SECONDS.labels(direction=direction).observe(seconds)
+
+
 def block_spec(engine: Engine) -> BlockSpec:
     c = engine.model_config
     return BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim,

@@ -15,7 +15,8 @@ import torch
 from pdserve.runtime.block_manager import BlockManager
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.kv_cache import allocate_kv_cache
-from pdserve.runtime.kv_transfer import ExportedBlock, export_prompt_blocks, import_prompt_blocks
+from pdserve.runtime.kv_transfer import (ExportedBlock, export_prompt_blocks, import_prefix_blocks,
+                                         import_prompt_blocks)
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.sampler import sample
@@ -111,6 +112,17 @@ class Engine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return imported
+
+    def add_with_prefix(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                        blocks: Mapping[bytes, torch.Tensor], *, hold_blocks: bool = False) -> int:
+        """Queues a request whose leading full blocks are taken from this engine's cache or from
+        `blocks` (KV computed elsewhere) instead of computed; returns the prompt tokens reused."""
+        seq = self._new_sequence(request_id, prompt_ids, params, [])
+        seq.hold_blocks = hold_blocks
+        imported = import_prefix_blocks(self, seq, blocks)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return imported * self.block_manager.block_size
 
     def _new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       output_ids: list[int]) -> Sequence:

@@ -3,6 +3,12 @@
 A prompt of n tokens has ceil(n / block_size) blocks: the full ones, named by their chained
 content hash and shareable, and a partial tail named by the hash of its own tokens. Each
 block travels as one tensor `[layers, 2, block_size, KVH, D]`.
+
+Besides whole prompts: `import_prefix_blocks` starts a new sequence on a prefix of stored blocks
+(cross-worker prefix caching: only the rest is computed), `import_cached_blocks` places blocks in
+the paged cache as reusable cached blocks (prefetch ahead of a request), `export_cached_blocks`
+reads cached blocks back out (write-back of a finished sequence), `resident_hashes` lists what
+the paged cache holds (reported to the kvstore for KV-aware routing).
 """
 
 from __future__ import annotations
@@ -62,6 +68,71 @@ def import_prompt_blocks(engine: Engine, seq: Sequence, hashes: list[bytes],
     seq.block_hashes = hashes[:num_full]
     seq.num_computed_tokens = len(seq.prompt_ids)
     return True
+
+
+def import_prefix_blocks(engine: Engine, seq: Sequence, blocks: Mapping[bytes, torch.Tensor]) -> int:
+    """Gives a new `seq` the KV of its longest prefix of full blocks found in this engine's cache
+    or in `blocks`; returns how many blocks it got (0: left to the scheduler's own allocation).
+
+    The block holding the prompt's last token is never imported: its logits pick the first
+    token, so it is always computed. The imported tokens count as computed and cached.
+    """
+    bm = engine.block_manager
+    limit = (len(seq.prompt_ids) - 1) // bm.block_size
+    hashes = prompt_hashes(engine, seq.prompt_ids)[:limit]
+    table: list[int] = []
+    for h in hashes:
+        bid = bm.ref_cached(h)
+        if bid is None:
+            bid = _copy_in(engine, blocks.get(h))
+            if bid is None:
+                break  # a gap, or no room: compute from here on
+            bm.register(bid, h)
+        table.append(bid)
+    if table:
+        seq.block_table = table
+        seq.block_hashes = hashes[:len(table)]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(table) * bm.block_size
+    return len(table)
+
+
+def import_cached_blocks(engine: Engine, hashes: list[bytes], blocks: Mapping[bytes, torch.Tensor],
+                         max_blocks: int | None = None) -> int:
+    """Copies the full blocks `hashes` (a chain, in order) into the paged cache as cached,
+    unreferenced blocks that later requests share; stops at the first one missing from both
+    the cache and `blocks`. Uses at most `max_blocks` new blocks (default: half of the free
+    ones, so a prefetch never crowds out running sequences). Returns blocks copied in."""
+    bm = engine.block_manager
+    budget = bm.num_free_blocks // 2 if max_blocks is None else max_blocks
+    copied = 0
+    for h in hashes:
+        if bm.lookup(h) is not None:
+            continue
+        if copied >= budget:
+            break
+        bid = _copy_in(engine, blocks.get(h))
+        if bid is None:
+            break
+        bm.register(bid, h)
+        bm.release([bid])  # unreferenced and hashed: cached, evictable in LRU order
+        copied += 1
+    return copied
+
+
+def export_cached_blocks(engine: Engine, hashes: list[bytes]) -> list[ExportedBlock]:
+    """Copies of the full blocks among `hashes` that the paged cache still holds, in order."""
+    bm = engine.block_manager
+    out = []
+    for h in hashes:
+        bid = bm.lookup(h)
+        if bid is not None:
+            out.append(ExportedBlock(h, engine.kv_cache[bid].clone(), bm.block_size))
+    return out
+
+
+def resident_hashes(engine: Engine) -> set[bytes]:
+    """Hashes of every full block the paged cache holds (referenced or cached)."""
+    return set(engine.block_manager._by_hash)  # noqa: SLF001 - read-only snapshot, engine thread
 
 
 def _copy_in(engine: Engine, data: torch.Tensor | None) -> int | None:

@@ -1,0 +1,173 @@
+"""Predictive prefetch signals the gateway decides: session prediction and hot prefixes.
+
+Session prediction (requests with a session_id): a conversation comes back with the same prefix
+(the last turn's prompt and answer, which the decode worker wrote back to the kvstore). For each
+session the tracker learns the think time, an EWMA of the gaps between a turn's end and the next
+turn's arrival, and `due()` names the sessions whose next turn is expected within the lead time:
+the gateway then sends their decode worker Prepare(signal="session"), which pulls the blocks
+(promoting them from Redis to the kvstore's memory on the way) into its paged cache. A session
+that stays quiet for `give_up_factor` think times is given up (no more prefetches until it
+speaks again); one idle for `forget_after_s` is forgotten.
+
+Counting: a prediction that had not fired when the turn arrived counts its blocks as
+outcome="late" here; blocks actually fetched are counted by the decode worker (hit when a Decode
+uses them, wasted when evicted unused), so no block is counted twice.
+
+Hot prefixes: leading block chains seen in at least `min_requests` requests within `window_s`
+are hot; `HotPrefixes.targets` names the decode workers that do not hold one yet (from the
+kvstore's residency answer), at most once per worker and chain every `resend_s`.
+
+Pure Python with an injected clock: the gateway's event loop calls it, tests drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.metrics import PREFETCH_BLOCKS
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPrefetch:
+    """Prefetch this session's blocks onto its decode worker now."""
+
+    session_id: str
+    worker: str  # decode worker address
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(slots=True)
+class _Session:
+    worker: str = ""
+    block_hashes: tuple[bytes, ...] = ()
+    last_end: float | None = None
+    think_s: float | None = None  # EWMA of the gaps; None until one gap was seen
+    in_turn: bool = False
+    prefetched: bool = False  # the prefetch for the upcoming turn was sent
+    given_up: bool = False
+
+
+class SessionTracker:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, alpha: float = 0.3,
+                 lead_s: float = 0.5, lead_fraction: float = 0.2, give_up_factor: float = 3.0,
+                 forget_after_s: float = 600.0, max_sessions: int = 100_000) -> None:
+        self._clock = clock
+        self.alpha = alpha  # weight of the newest gap in the EWMA
+        self.lead_s = lead_s  # prefetch at least this long before the predicted arrival
+        self.lead_fraction = lead_fraction  # ... or this fraction of the think time, if longer
+        self.give_up_factor = give_up_factor
+        self.forget_after_s = forget_after_s
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently active first
+
+    def arrival(self, session_id: str) -> str:
+        """A turn of `session_id` arrives; returns the decode worker it last ran on ("" if none)."""
+        now = self._clock()
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session()
+            self._trim()
+        self._sessions.move_to_end(session_id)
+        if s.last_end is not None and not s.in_turn:
+            gap = max(now - s.last_end, 0.0)
+            if s.think_s is not None and not s.prefetched and not s.given_up and s.block_hashes:
+                PREFETCH_BLOCKS.labels(signal="session", outcome="late").inc(len(s.block_hashes))
+            s.think_s = gap if s.think_s is None else self.alpha * gap + (1 - self.alpha) * s.think_s
+        s.in_turn, s.prefetched, s.given_up = True, False, False
+        return s.worker
+
+    def finished(self, session_id: str, worker: str, block_hashes: Sequence[bytes]) -> None:
+        """The turn ended on `worker`; `block_hashes`: the full blocks of its prompt and answer."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return
+        s.worker, s.block_hashes = worker, tuple(block_hashes)
+        s.last_end, s.in_turn = self._clock(), False
+
+    def predicted_arrival(self, session_id: str) -> float | None:
+        s = self._sessions.get(session_id)
+        if s is None or s.last_end is None or s.think_s is None:
+            return None
+        return s.last_end + s.think_s
+
+    def due(self) -> list[SessionPrefetch]:
+        """Sessions to prefetch now (each at most once per turn); gives up on quiet ones."""
+        now = self._clock()
+        plans = []
+        for sid in list(self._sessions):
+            s = self._sessions[sid]
+            if s.last_end is not None and now - s.last_end > self.forget_after_s and not s.in_turn:
+                del self._sessions[sid]
+                continue
+            if s.in_turn or s.prefetched or s.given_up or s.think_s is None or not s.block_hashes:
+                continue
+            arrival = s.last_end + s.think_s
+            if now > s.last_end + self.give_up_factor * max(s.think_s, self.lead_s):
+                s.given_up = True  # quiet: prefetching now would most likely be wasted
+                continue
+            if now >= arrival - max(self.lead_s, self.lead_fraction * s.think_s):
+                s.prefetched = True
+                plans.append(SessionPrefetch(sid, s.worker, s.block_hashes))
+        return plans
+
+    def _trim(self) -> None:
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _Chain:
+    seen: deque[float] = field(default_factory=deque)
+    sent: dict[str, float] = field(default_factory=dict)  # worker id -> when it was last told
+
+
+class HotPrefixes:
+    """Counts leading block chains; see the module docstring."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, min_requests: int = 4,
+                 window_s: float = 60.0, chain_blocks: int = 8, min_blocks: int = 2,
+                 resend_s: float = 30.0, max_chains: int = 10_000) -> None:
+        self._clock = clock
+        self.min_requests = min_requests
+        self.window_s = window_s
+        self.chain_blocks = chain_blocks  # the prefix considered: at most this many leading blocks
+        self.min_blocks = min_blocks  # shorter prompts are not worth it
+        self.resend_s = resend_s
+        self.max_chains = max_chains
+        self._chains: OrderedDict[tuple[bytes, ...], _Chain] = OrderedDict()
+
+    def observe(self, block_hashes: Sequence[bytes]) -> tuple[bytes, ...] | None:
+        """Count a request's prefix; returns the chain when it is hot."""
+        chain = tuple(block_hashes[:self.chain_blocks])
+        if len(chain) < self.min_blocks:
+            return None
+        now = self._clock()
+        record = self._chains.get(chain)
+        if record is None:
+            record = self._chains[chain] = _Chain()
+            while len(self._chains) > self.max_chains:
+                self._chains.popitem(last=False)
+        self._chains.move_to_end(chain)
+        record.seen.append(now)
+        while record.seen and record.seen[0] < now - self.window_s:
+            record.seen.popleft()
+        return chain if len(record.seen) >= self.min_requests else None
+
+    def targets(self, chain: tuple[bytes, ...], workers: Sequence[str], resident: Mapping[str, int]) -> list[str]:
+        """Worker ids that should be sent the hot `chain` now (and are marked as told)."""
+        record = self._chains.get(chain)
+        if record is None:
+            return []
+        now = self._clock()
+        out = []
+        for w in workers:
+            if not w or resident.get(w, 0) >= len(chain):
+                continue
+            if now - record.sent.get(w, -float("inf")) < self.resend_s:
+                continue
+            record.sent[w] = now
+            out.append(w)
+        return out

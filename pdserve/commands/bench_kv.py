@@ -1,0 +1,333 @@
+"""`pdserve bench-kv`: what the KV store's caching and prefetch buy, measured on a real stack.
+
+Scenarios (`--scenario`, default all):
+  shared-prefix  requests sharing a long prefix (default 1,000 tokens, 200 requests) on a random
+                 Llama (hidden 512, 8 layers) that the benchmark builds and saves as an HF
+                 directory in a temp folder; TTFT P50/P99 with caching on (shared prefix) vs off
+                 (the same prompts made unshareable by a distinct first token).
+  sessions       multi-turn sessions whose KV is larger than the kvstore's memory tier (Redis
+                 behind it); prefix hit rate (cached / prompt tokens) and TTFT P99 with session
+                 prefetch on vs off (stories260K, the bundled model).
+  transfer       MB/s of KV blocks (64 KiB of KV per token, 16-token blocks) prefill -> kvstore
+                 -> decode through the kvstore's gRPC API, vs raw pipelined Redis SET/GET of the
+                 same bytes, in the same run.
+Prints one JSON object and a table. Needs redis-server on PATH (or --redis-server) for the
+sessions and transfer scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+NAME = "bench-kv"
+HELP = "benchmark prefix caching, session prefetch and KV transfer (kvstore + Redis)"
+
+SCENARIOS = ("shared-prefix", "sessions", "transfer")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    p.add_argument("--requests", type=int, default=200, help="shared-prefix: requests per arm")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: shared prefix length")
+    p.add_argument("--concurrency", type=int, default=4, help="shared-prefix: requests in flight")
+    p.add_argument("--sessions", type=int, default=24, help="sessions: concurrent conversations")
+    p.add_argument("--turns", type=int, default=4, help="sessions: turns per conversation")
+    p.add_argument("--think-s", type=float, default=1.0, help="sessions: mean think time between turns")
+    p.add_argument("--memory-mb", type=float, default=4.0, help="sessions: the kvstore's memory tier")
+    p.add_argument("--transfer-mb", type=float, default=256, help="transfer: KV bytes moved per arm")
+    p.add_argument("--redis-server", default=shutil.which("redis-server") or "/usr/bin/redis-server")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    results = {}
+    for name in scenarios:
+        results[name] = {"shared-prefix": bench_shared_prefix, "sessions": bench_sessions,
+                         "transfer": bench_transfer}[name](args)
+    print(json.dumps(results, indent=2))
+    print(format_table(results))
+    return 0
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+class RedisProcess:
+    def __init__(self, binary: str, *extra: str) -> None:
+        from pdserve.commands.up import free_port
+
+        self.port = free_port()
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", *extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def with_env(env: dict[str, str], fn: Callable[[], object]) -> object:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def timed_generate(stub, prompt: str, max_tokens: int, session_id: str = "") -> dict:
+    from pdserve.v1 import common_pb2, gateway_pb2
+
+    start = time.perf_counter()
+    ttft = None
+    usage = None
+    tokens: list[int] = []
+    for chunk in stub.Generate(gateway_pb2.GenerateRequest(
+            prompt=prompt, session_id=session_id,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))):
+        if ttft is None and chunk.token_ids:
+            ttft = time.perf_counter() - start
+        tokens += chunk.token_ids
+        if chunk.HasField("usage"):
+            usage = chunk.usage
+    return {"ttft_s": ttft, "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+            "tokens": tokens}
+
+
+# ---- shared prefix ------------------------------------------------------------------------------
+
+
+def build_random_llama(folder: Path, seed: int) -> Path:
+    """A random Llama (hidden 512, 8 layers, stories260K's 512-token vocabulary and tokenizer)."""
+    import torch
+    import transformers
+
+    from pdserve.runtime.hf_reader import GGUF_TOKENIZER_FILE
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1376,
+                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    stories = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K" / "stories260K.gguf"
+    from pdserve.runtime.loader import resolve_model_path
+
+    source = stories if stories.exists() else Path(resolve_model_path(None))
+    shutil.copy(source, folder / GGUF_TOKENIZER_FILE)
+    return folder
+
+
+def bench_shared_prefix(args: argparse.Namespace) -> dict:
+    import concurrent.futures as cf
+
+    from pdserve.runtime.loader import load_checkpoint
+    from pdserve.stack import start_stack
+
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-kv-") as tmp:
+        model_dir = build_random_llama(Path(tmp) / "llama-512x8", args.seed)
+        tok = load_checkpoint(str(model_dir)).tokenizer
+        prefix_ids = [rng.randrange(3, 512) for _ in range(args.prefix_tokens)]
+        words = ["cat", "dog", "sun", "tree", "ball", "park", "bird", "boat"]
+        suffixes = [" " + " ".join(rng.choice(words) for _ in range(8)) for _ in range(args.requests)]
+        shared = [tok.decode(prefix_ids) + s for s in suffixes]
+        # Off: the same prompts, but a distinct first word makes every block unshareable.
+        unshared = [f"{words[i % 8]}{i} " + tok.decode(prefix_ids) + s for i, s in enumerate(suffixes)]
+        stack = start_stack(2, 1, "--model", str(model_dir), "--threads", str(args.threads))
+        try:
+            stub = stack.gateway_stub()
+            timed_generate(stub, "warm up", 2)
+            arms = {}
+            for arm, prompts in (("caching_off", unshared), ("caching_on", shared)):
+                start = time.perf_counter()
+                with cf.ThreadPoolExecutor(args.concurrency) as pool:
+                    runs = list(pool.map(lambda p: timed_generate(stub, p, 4), prompts))
+                ttfts = [r["ttft_s"] for r in runs]
+                arms[arm] = {"requests": len(runs), "seconds": round(time.perf_counter() - start, 2),
+                             "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+                             "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                             "cached_tokens_mean": round(statistics.mean(r["cached_tokens"] for r in runs), 1),
+                             "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in runs), 1)}
+        finally:
+            stack.stop()
+    return {"model": "random llama hidden 512, 8 layers (HF dir)", "prefix_tokens": args.prefix_tokens,
+            "concurrency": args.concurrency, **arms}
+
+
+# ---- sessions -----------------------------------------------------------------------------------
+
+
+def bench_sessions(args: argparse.Namespace) -> dict:
+    redis_proc = RedisProcess(args.redis_server)
+    try:
+        arms = {}
+        for arm, prefetch in (("prefetch_off", "0"), ("prefetch_on", "1")):
+            arms[arm] = with_env({"PDSERVE_KV_BACKEND": redis_proc.url, "PDSERVE_SESSION_PREFETCH": prefetch},
+                                 lambda: _run_sessions(args))
+            import redis
+            redis.Redis(port=redis_proc.port).flushall()
+    finally:
+        redis_proc.stop()
+    return {"model": "stories260K", "sessions": args.sessions, "turns": args.turns,
+            "memory_tier_mb": args.memory_mb, **arms}
+
+
+def _run_sessions(args: argparse.Namespace) -> dict:
+    import concurrent.futures as cf
+
+    from pdserve.stack import start_stack
+
+    stack = start_stack(1, 2, "--kvstore-capacity-mb", str(args.memory_mb), "--threads", str(args.threads))
+    try:
+        stub = stack.gateway_stub()
+        timed_generate(stub, "warm up", 2)
+        openings = ["Once upon a time", "The little dog", "Lily and Tom", "A big red boat", "The sun was hot"]
+
+        def conversation(i: int) -> list[dict]:
+            r = random.Random(args.seed * 1000 + i)
+            text = f"{openings[i % len(openings)]} number {i} went to the park."
+            turns = []
+            for t in range(args.turns):
+                out = timed_generate(stub, text, 48, session_id=f"s{i}")
+                turns.append(out)
+                text = text + f" turn {t} " + "and then they played."
+                time.sleep(r.expovariate(1 / args.think_s))
+            return turns
+
+        start = time.perf_counter()
+        with cf.ThreadPoolExecutor(args.sessions) as pool:
+            runs = [t for conv in pool.map(conversation, range(args.sessions)) for t in conv]
+        later = [r for i, r in enumerate(runs) if i % args.turns]  # turns after the first
+        ttfts = [r["ttft_s"] for r in later]
+        stats = stack.kvstore_stats()
+        return {"seconds": round(time.perf_counter() - start, 2), "requests": len(runs),
+                "hit_rate": round(sum(r["cached_tokens"] for r in later) / max(sum(r["prompt_tokens"] for r in later), 1), 3),
+                "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+                "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                "kvstore_evictions": stats.evictions, "redis_hits": stats.backend_hits}
+    finally:
+        stack.stop()
+
+
+# ---- transfer -----------------------------------------------------------------------------------
+
+
+def bench_transfer(args: argparse.Namespace) -> dict:
+    import asyncio
+
+    redis_proc = RedisProcess(args.redis_server)
+    try:
+        return asyncio.run(_transfer(args, redis_proc))
+    finally:
+        redis_proc.stop()
+
+
+async def _transfer(args: argparse.Namespace, redis_proc: RedisProcess) -> dict:
+    import hashlib
+
+    import redis.asyncio as aioredis
+    import torch
+
+    from kvstore.client import KVStoreClient
+    from kvstore.server import StoreOptions, serve_store
+    from pdserve.grpc_server import stop_server
+    from pdserve.kvwire import BlockSpec, encode_block
+
+    # 64 KiB of KV per token: 16 layers x 2 (K, V) x 8 KV heads x 64 dims x fp32 = 64 KiB.
+    spec = BlockSpec("0" * 32, torch.float32, 16, 8, 64, 16)
+    block = encode_block(torch.randn(spec.shape), spec, 16)  # 1 MiB + header per block
+    n = max(int(args.transfer_mb * (1 << 20) // len(block)), 8)
+    hashes = [hashlib.blake2b(f"t{i}".encode(), digest_size=16).digest() for i in range(n)]
+    batch = 16  # blocks per call: one 256-token prompt
+    total_mb = n * len(block) / 1e6
+
+    options = StoreOptions(4 * n * len(block), backend=redis_proc.url)
+    server, port, store = await serve_store("127.0.0.1:0", options)
+    client = KVStoreClient(f"127.0.0.1:{port}")
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        await client.put_blocks(f"req{i}", [(h, block) for h in hashes[i:i + batch]])
+    put_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        await client.get_blocks(hashes[i:i + batch], request_id=f"req{i}")
+    get_s = time.perf_counter() - start
+    await store.flush(timeout_s=60)
+    await client.close()
+    await stop_server(server, 0)
+    await store.close()
+
+    r = aioredis.Redis(port=redis_proc.port)
+    await r.flushall()
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        async with r.pipeline(transaction=False) as pipe:
+            for h in hashes[i:i + batch]:
+                pipe.set(b"raw:" + h, block)
+            await pipe.execute()
+    raw_set_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        await r.mget([b"raw:" + h for h in hashes[i:i + batch]])
+    raw_get_s = time.perf_counter() - start
+    await r.aclose()
+    return {"kv_bytes_per_token": 65536, "blocks": n, "block_bytes": len(block), "mb_moved": round(total_mb, 1),
+            "kvstore_put_mb_s": round(total_mb / put_s, 1), "kvstore_get_mb_s": round(total_mb / get_s, 1),
+            "redis_pipelined_set_mb_s": round(total_mb / raw_set_s, 1),
+            "redis_mget_mb_s": round(total_mb / raw_get_s, 1)}
+
+
+# ---- output -------------------------------------------------------------------------------------
+
+
+def format_table(results: dict) -> str:
+    lines = []
+    for scenario, data in results.items():
+        lines.append(f"== {scenario}")
+        flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
+        arms = {k: v for k, v in data.items() if isinstance(v, dict)}
+        for k, v in flat.items():
+            lines.append(f"  {k:<28} {v}")
+        if arms:
+            keys = list(next(iter(arms.values())))
+            lines.append("  " + f"{'':<20}" + "".join(f"{a:>16}" for a in arms))
+            for k in keys:
+                lines.append("  " + f"{k:<20}" + "".join(f"{str(arms[a].get(k)):>16}" for a in arms))
+    return "\n".join(lines)

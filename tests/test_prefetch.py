@@ -1,0 +1,191 @@
+"""Predictive prefetch: session think-time prediction (injected clock), hot prefixes, and the
+decode worker's prefetcher counting every decision (hit, late, wasted)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import model_config_from_hf, random_hf_model
+from decode.prefetch import BlockPrefetcher
+from gateway.sessions import HotPrefixes, SessionTracker
+from pdserve.kvwire import encode_block
+from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.worker_common import TransferCounters, block_spec
+from pdserve.worker_metrics import PREFETCH_BLOCKS
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _hs(*names: str) -> list[bytes]:
+    return [hashlib.blake2b(n.encode(), digest_size=16).digest() for n in names]
+
+
+def _count(signal: str, outcome: str) -> float:
+    return PREFETCH_BLOCKS.labels(signal=signal, outcome=outcome)._value.get()
+
+
+# ---- session prediction ------------------------------------------------------------------------
+
+
+def test_session_think_time_ewma_and_prefetch_timing() -> None:
+    clock = Clock()
+    t = SessionTracker(clock, alpha=0.5, lead_s=1.0, lead_fraction=0.1)
+    assert t.arrival("s") == ""
+    clock.now += 2
+    t.finished("s", "w1:1", _hs("a", "b"))
+    assert t.due() == []  # no gap seen yet: nothing to predict from
+    clock.now += 10
+    late = _count("session", "late")
+    assert t.arrival("s") == "w1:1"  # the session's home worker
+    assert _count("session", "late") == late  # no prediction existed: not late
+    clock.now += 3
+    t.finished("s", "w1:1", _hs("a", "b", "c"))
+    assert t.predicted_arrival("s") == clock.now + 10
+    clock.now += 8.9  # lead = max(1.0, 0.1 * 10) = 1.0: due at +9
+    assert t.due() == []
+    clock.now += 0.2
+    [plan] = t.due()
+    assert plan.worker == "w1:1" and plan.block_hashes == tuple(_hs("a", "b", "c"))
+    assert t.due() == []  # once per turn
+    clock.now += 2
+    t.arrival("s")  # gap 11.1: EWMA 0.5 * 11.1 + 0.5 * 10
+    clock.now += 1
+    t.finished("s", "w2:2", _hs("a"))
+    assert t.predicted_arrival("s") == pytest.approx(clock.now + 10.55)
+
+
+def test_arrival_before_the_prediction_fires_counts_late() -> None:
+    clock = Clock()
+    t = SessionTracker(clock, lead_s=0.5)
+    t.arrival("s")
+    t.finished("s", "w", _hs("a"))
+    clock.now += 5
+    t.arrival("s")
+    t.finished("s", "w", _hs("a", "b", "c"))
+    late = _count("session", "late")
+    clock.now += 1  # predicted at +5, prefetch due at +4.5: the user was quicker
+    assert t.due() == []
+    t.arrival("s")
+    assert _count("session", "late") == late + 3
+
+
+def test_quiet_sessions_are_given_up_and_forgotten() -> None:
+    clock = Clock()
+    t = SessionTracker(clock, give_up_factor=3.0, lead_s=0.5, forget_after_s=100)
+    t.arrival("s")
+    t.finished("s", "w", _hs("a"))
+    clock.now += 2
+    t.arrival("s")
+    t.finished("s", "w", _hs("a", "b"))
+    clock.now += 7  # past 3 think times without having been due in between
+    assert t.due() == []
+    clock.now += 1
+    assert t.due() == []  # given up: no prefetch for this turn any more
+    clock.now += 200
+    t.due()
+    assert t.predicted_arrival("s") is None  # forgotten
+
+
+# ---- hot prefixes -----------------------------------------------------------------------------
+
+
+def test_hot_prefix_after_enough_requests_goes_to_workers_lacking_it() -> None:
+    clock = Clock()
+    hot = HotPrefixes(clock, min_requests=3, window_s=10, chain_blocks=2, resend_s=5)
+    chain = _hs("p1", "p2", "x")
+    assert hot.observe(chain) is None and hot.observe(chain) is None
+    key = hot.observe(chain)
+    assert key == tuple(chain[:2])
+    assert hot.targets(key, ["w1", "w2", "w3"], {"w1": 2, "w2": 1}) == ["w2", "w3"]
+    assert hot.targets(key, ["w1", "w2", "w3"], {}) == ["w1"]  # w2, w3 told recently
+    clock.now += 6
+    assert hot.targets(key, ["w2"], {}) == ["w2"]
+    clock.now += 20  # the window passed: cold again
+    assert hot.observe(chain) is None
+    assert hot.observe(_hs("short")) is None  # one block: not worth it
+
+
+# ---- the decode worker's prefetcher ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from pdserve.runtime.config import CacheConfig, EngineConfig
+    from pdserve.runtime.engine import Engine
+
+    hf = random_hf_model("llama", seed=3)
+    return Engine(model_config_from_hf(hf.config, "llama"), hf.state_dict(), "e" * 32,
+                  EngineConfig(cache=CacheConfig(num_blocks=64)))
+
+
+class FakeKV:
+    def __init__(self, blocks: dict[bytes, bytes], delay_s: float = 0.0) -> None:
+        self.blocks, self.delay_s = blocks, delay_s
+
+    async def get_blocks(self, hashes, request_id=""):
+        await asyncio.sleep(self.delay_s)
+        return [self.blocks.get(h) for h in hashes]
+
+
+def _worker(engine, kv) -> SimpleNamespace:
+    async def call(fn):
+        return fn(engine)
+    return SimpleNamespace(engine=engine, kv=kv, spec=block_spec(engine), counters=TransferCounters(),
+                           aengine=SimpleNamespace(call=call))
+
+
+def _chain_blocks(engine, tokens: list[int]) -> tuple[list[bytes], dict[bytes, bytes]]:
+    spec = block_spec(engine)
+    chain = prompt_block_hashes(tokens, 16, engine.fingerprint, "float32")
+    data = {h: encode_block(torch.full(spec.shape, float(i)), spec, 16) for i, h in enumerate(chain)}
+    return chain, data
+
+
+def test_prefetcher_counts_hits_late_and_waste(engine) -> None:
+    async def scenario() -> None:
+        chain, data = _chain_blocks(engine, list(range(3, 3 + 64)))
+        p = BlockPrefetcher(_worker(engine, FakeKV(data)), max_staged_blocks=2)
+        before = {o: _count("dispatch", o) for o in ("hit", "late", "wasted")}
+        p.prefetch(chain[:3])
+        await asyncio.sleep(0.05)
+        assert _count("dispatch", "wasted") - before["wasted"] == 1  # staging holds 2: one dropped
+        got = await p.gather("r", chain[:3])
+        assert set(got) == set(chain[:3])
+        assert _count("dispatch", "hit") - before["hit"] == 2
+
+        p.worker.kv.delay_s = 0.1
+        p.prefetch([chain[3]])
+        await p.gather("r2", [chain[3]])  # still on its way when Decode came
+        assert _count("dispatch", "late") - before["late"] == 1
+        assert _count("dispatch", "hit") - before["hit"] == 3
+
+    asyncio.run(scenario())
+
+
+def test_session_prefetch_lands_in_the_paged_cache(engine) -> None:
+    async def scenario() -> None:
+        chain, data = _chain_blocks(engine, list(range(100, 100 + 48)))
+        p = BlockPrefetcher(_worker(engine, FakeKV(data)))
+        hits, wasted = _count("session", "hit"), _count("session", "wasted")
+        p.prefetch(chain, "session")
+        await asyncio.sleep(0.05)
+        assert all(p.is_local(h) for h in chain)
+        assert await p.gather("r", chain[:2]) == {}  # local already: nothing to fetch
+        assert _count("session", "hit") - hits == 2
+        p.evicted([chain[2]])  # evicted before anyone used it
+        assert _count("session", "wasted") - wasted == 1
+        with pytest.raises(ValueError, match="signal"):
+            p.prefetch(chain, "psychic")
+
+    asyncio.run(scenario())
