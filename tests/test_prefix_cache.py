@@ -172,3 +172,21 @@ def test_next_turn_reuses_written_back_answer(stack, stories):
         stable += 1
     _, usage2 = _generate(stub, turn2, max_tokens=8, session_id="conv-1")
     assert usage2.cached_tokens >= min(stable, len(tok.encode(turn1)) + len(ids1) - 1) // 16 * 16 > 16
+
+
+def test_redis_killed_mid_run_then_back(stack, redis_for_stack):
+    stub = stack.gateway_stub()
+    errors = stack.kvstore_stats().backend_errors
+    redis_for_stack.kill()
+    prompts = [f"The bird number {i} flew over the little house and" for i in range(6)]
+    for p in prompts:  # every request completes, served from memory
+        ids, usage = _generate(stub, p, max_tokens=8)
+        assert len(ids) == 8 and usage.prompt_tokens > 0
+    stats = stack.kvstore_stats()
+    assert stats.backend_errors > errors and not stats.backend_up
+    redis_for_stack.start()
+    deadline = time.monotonic() + 10  # the kvstore's monitor probes Redis every 2 s
+    while not stack.kvstore_stats().backend_up and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stack.kvstore_stats().backend_up
+    _generate(stub, "A new story about a frog who liked to sing very loudly in the", max_tokens=4)
