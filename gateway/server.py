@@ -2,7 +2,10 @@
 
 `serve` loads the model's tokenizer and config (the checkpoint loader also loads the weights,
 which the gateway does not need: fine for small models, to be slimmed later), builds the worker
-pools and the request flow, probes the workers once and starts the gRPC server.
+pools and the request flow, probes the workers once and starts the gRPC server. With `http_bind`
+(`--http-port`, default 8000, 0 disables) it also starts the OpenAI-compatible HTTP API and chat
+page (`gateway.http`) over the same flow, on the same asyncio loop, before the gRPC server: once
+gRPC health says SERVING, the HTTP port answers too.
 """
 
 from __future__ import annotations
@@ -21,23 +24,32 @@ from pdserve.grpc_server import serve_until_signal, start_server, stop_server
 
 if TYPE_CHECKING:
     from gateway.flow import ModelInfo
+    from gateway.http import HttpServer
     from gateway.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Gateway"
 DEFAULT_BIND = "0.0.0.0:50051"
+DEFAULT_HTTP_PORT = 8000
 KVSTORE_TIMEOUT_S = 0.5  # the kvstore only gives hints here; never hold a request up for long
 
 # What each server started here owns besides itself, closed by `stop`.
 _owned: weakref.WeakKeyDictionary[grpc.aio.Server, list] = weakref.WeakKeyDictionary()
+# The HTTP API started with each server (see `http_server`).
+_http_of: weakref.WeakKeyDictionary[grpc.aio.Server, HttpServer] = weakref.WeakKeyDictionary()
 
 
 async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets: Sequence[str] | str,
                 kvstore_target: str | None, model_path: str | None, block_size: int = 16,
-                kv_dtype: str = "float32", max_inflight: int = 256) -> tuple[grpc.aio.Server, int]:
+                kv_dtype: str = "float32", max_inflight: int = 256, *, http_bind: str | None = None,
+                model_name: str | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the gateway on `bind`; targets are `host:port` or `dns:///name:port` (a string may
-    list several, comma-separated). Returns (server, port); stop it with `stop(server)`."""
+    list several, comma-separated). Returns (server, port); stop it with `stop(server)`.
+
+    `http_bind` ("host:port", port 0 picks one) also serves the HTTP API there; `http_server(server)`
+    then tells its port. `model_name` is the id HTTP clients send as `model` (default: the
+    checkpoint's file or directory name)."""
     from gateway.flow import RequestFlow
     from gateway.limits import InflightLimit
     from gateway.service import GatewayServicer
@@ -50,10 +62,43 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
     kvstore = KVStoreClient(kvstore_target, timeout_s=KVSTORE_TIMEOUT_S) if kvstore_target else None
     flow = RequestFlow(model, prefill, decode, kvstore, InflightLimit(max_inflight))
     servicer = GatewayServicer(flow)
-    server, port = await start_server(
-        bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME])
-    _owned[server] = [prefill, decode, *([kvstore] if kvstore else [])]
+    http = None
+    if http_bind is not None:
+        from gateway.http import create_app, start_http
+        http = await start_http(create_app(flow, model_name or default_model_name(model_path)), http_bind)
+    try:
+        server, port = await start_server(
+            bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME])
+    except BaseException:
+        if http is not None:
+            await http.close()
+        raise
+    # HTTP first: its streams run on the pools and must end before the pools close.
+    _owned[server] = [*([http] if http else []), prefill, decode, *([kvstore] if kvstore else [])]
+    if http is not None:
+        _http_of[server] = http
     return server, port
+
+
+def http_server(server: grpc.aio.Server) -> HttpServer | None:
+    """The HTTP API started with `server` (its `port`), or None when it has none."""
+    return _http_of.get(server)
+
+
+def default_model_name(model_path: str | None) -> str:
+    """The model id of the HTTP API: the checkpoint's file name without suffix, or its directory's name."""
+    from pdserve.runtime.loader import resolve_model_path
+
+    path = resolve_model_path(model_path)
+    return path.stem if path.is_file() else path.name
+
+
+def http_bind_of(grpc_bind: str, http_port: int) -> str | None:
+    """The HTTP API's "host:port": the gRPC bind's host with `http_port`; None when the port is 0."""
+    if http_port == 0:
+        return None
+    host = grpc_bind.rpartition(":")[0] or "0.0.0.0"
+    return f"{host}:{http_port}"
 
 
 async def stop(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
@@ -104,14 +149,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="KV dtype (as the workers)")
     parser.add_argument("--max-inflight", type=int, default=256,
-                        help="requests in flight before new ones get RESOURCE_EXHAUSTED")
+                        help="requests in flight before new ones get RESOURCE_EXHAUSTED (HTTP 429)")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="port of the OpenAI-compatible HTTP API and chat page, on --bind's host "
+                             "(0 disables it)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id of the HTTP API (default: the checkpoint's file or directory name)")
     parser.add_argument("--log-level", default="INFO")
 
 
 async def run_until_signal(args: argparse.Namespace) -> None:
     """Serve with the parsed flags until SIGINT/SIGTERM, then stop gracefully."""
+    if not 0 <= args.http_port < 65536:
+        raise ValueError(f"--http-port must be in 0..65535 (0 disables the HTTP API), got {args.http_port}")
     server, port = await serve(args.bind, args.prefill, args.decode, args.kvstore, args.model,
-                               args.block_size, args.kv_dtype, args.max_inflight)
+                               args.block_size, args.kv_dtype, args.max_inflight,
+                               http_bind=http_bind_of(args.bind, args.http_port),
+                               model_name=args.served_model_name)
     log.info("gateway listening on port %d", port)
     try:
         await serve_until_signal(server)

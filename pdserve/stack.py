@@ -3,6 +3,7 @@ its own process on loopback, with `pdserve up`'s plan and supervisor (tests and 
 
 from __future__ import annotations
 
+import argparse
 import signal
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ class Stack:
     supervisor: Supervisor
     gateway: Child
     workers: list[Child]
+    args: argparse.Namespace  # the `pdserve up` flags it was started with
 
     def child(self, name: str) -> Child:
         return next(c for c in self.workers if c.spec.name == name)
@@ -25,6 +27,13 @@ class Stack:
     @property
     def gateway_address(self) -> str:
         return self.gateway.spec.address
+
+    @property
+    def http_url(self) -> str | None:
+        """http://host:port of the gateway's HTTP API, None when it is off."""
+        if not self.args.http_port:
+            return None
+        return f"http://{self.args.host}:{self.args.http_port}"
 
     def gateway_stub(self) -> gateway_pb2_grpc.GatewayStub:
         return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(self.gateway_address))
@@ -52,9 +61,11 @@ class Stack:
 
 
 def start_stack(prefill: int = 2, decode: int = 2, *extra: str) -> Stack:
+    """Start the stack; `extra` are more `pdserve up` flags. The HTTP API is off unless `extra`
+    passes `--http-port PORT`: a fixed default port would collide between concurrent stacks."""
     args = build_parser().parse_args([
         "up", "--prefill", str(prefill), "--decode", str(decode), "--grpc-port", str(free_port()),
-        "--threads", "1", *extra])
+        "--threads", "1", "--http-port", "0", *extra])
     workers, gateway = plan(args)
     sup = Supervisor(grace_s=5.0)
     try:
@@ -65,4 +76,4 @@ def start_stack(prefill: int = 2, decode: int = 2, *extra: str) -> Stack:
     except BaseException:
         sup.stop_all()
         raise
-    return Stack(sup, gw, children)
+    return Stack(sup, gw, children, args)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -132,14 +133,16 @@ def _read_ready_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 def test_up_serves_and_stops_cleanly_on_sigterm() -> None:
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()  # not 8000: concurrent test runs would collide
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "1", "--decode", "1", "--threads", "1",
-         "--grpc-port", str(port), "--grace-period", "10"],
+         "--grpc-port", str(port), "--http-port", str(http_port), "--grace-period", "10"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = _read_ready_line(proc, timeout_s=180)
-        assert line.startswith(f"pdserve ready: grpc=127.0.0.1:{port} http=127.0.0.1:8000 prefill=[127.0.0.1:")
+        assert line.startswith(f"pdserve ready: grpc=127.0.0.1:{port} http=127.0.0.1:{http_port} prefill=[127.0.0.1:")
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as health:
+            assert health.status == 200  # the HTTP API is up when the ready line is printed
         children = _descendants(proc.pid)
         assert len(children) == 4  # kvstore, prefill, decode, gateway
         assert is_serving(f"127.0.0.1:{port}")

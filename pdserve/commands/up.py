@@ -6,6 +6,9 @@ finds the workers healthy) and waits for it too. It then prints exactly one line
 
     pdserve ready: grpc=127.0.0.1:50051 http=127.0.0.1:8000 prefill=[...] decode=[...] kvstore=...
 
+`http=` is where the gateway serves the OpenAI-compatible HTTP API and the chat page
+(--http-port; `http=off` when it is 0).
+
 Everything the children print goes to stderr, each line prefixed with the child's name. Each
 child runs in its own process group; SIGINT/SIGTERM stop them all (SIGTERM to the group, SIGKILL
 after --grace-period) and `up` exits 0. A child that exits on its own, or does not come up in
@@ -41,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's gRPC port")
     p.add_argument("--http-port", type=int, default=8000,
-                   help="port of the HTTP API (reserved: the HTTP API comes in a later release)")
+                   help="the gateway's OpenAI-compatible HTTP API and chat page (0 disables it)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: torch's default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -119,6 +122,7 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     gateway = ChildSpec("gateway", gw, pdserve_command(
         "gateway", "--bind", gw, "--kvstore", kv, *model, "--block-size", str(args.block_size),
         "--kv-dtype", args.kv_dtype, "--max-inflight", str(args.max_inflight),
+        "--http-port", str(args.http_port),
         "--prefill", ",".join(w.address for w in workers if w.name.startswith("prefill")),
         "--decode", ",".join(w.address for w in workers if w.name.startswith("decode"))))
     return workers, gateway
@@ -225,7 +229,8 @@ def describe_exit(child: Child) -> str:
 def ready_line(args: argparse.Namespace, workers: Sequence[ChildSpec], gateway: ChildSpec) -> str:
     def addrs(kind: str) -> str:
         return ",".join(w.address for w in workers if w.name.startswith(kind))
-    return (f"pdserve ready: grpc={gateway.address} http={args.host}:{args.http_port} "
+    http = f"{args.host}:{args.http_port}" if args.http_port else "off"
+    return (f"pdserve ready: grpc={gateway.address} http={http} "
             f"prefill=[{addrs('prefill')}] decode=[{addrs('decode')}] kvstore={addrs('kvstore')}")
 
 
@@ -233,10 +238,16 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         print("pdserve up: --prefill and --decode need at least 1 worker each", file=sys.stderr)
         return 2
-    busy = port_in_use(args.host, args.grpc_port)
-    if busy:
-        print(f"pdserve up: cannot use --grpc-port {args.grpc_port} on {args.host}: {busy}", file=sys.stderr)
-        return 1
+    if not 0 <= args.http_port < 65536:
+        print(f"pdserve up: --http-port must be in 0..65535 (0 disables the HTTP API), got {args.http_port}",
+              file=sys.stderr)
+        return 2
+    ports = [("--grpc-port", args.grpc_port), *([("--http-port", args.http_port)] if args.http_port else [])]
+    for flag, port in ports:
+        busy = port_in_use(args.host, port)
+        if busy:
+            print(f"pdserve up: cannot use {flag} {port} on {args.host}: {busy}", file=sys.stderr)
+            return 1
     sup = Supervisor(args.grace_period)
 
     def request_stop(signum: int, frame: object) -> None:
@@ -260,7 +271,6 @@ def _run_stack(args: argparse.Namespace, sup: Supervisor) -> int:
         print(f"pdserve up: {err}", file=sys.stderr)
         return 1
     print(ready_line(args, workers, gateway), flush=True)
-    print("pdserve up: the HTTP API is not implemented yet; --http-port is reserved for it", file=sys.stderr)
     dead = sup.watch()
     if dead is None:
         print("pdserve up: stopping", file=sys.stderr)

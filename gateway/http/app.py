@@ -1,0 +1,86 @@
+"""The aiohttp application and its server, on the event loop that already runs grpc.aio.
+
+`create_app` wires the routes to `ApiHandlers`; `start_http` starts an `AppRunner` + `TCPSite` on
+the running loop (no second thread, no ASGI server) and returns an `HttpServer` to close.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from gateway.flow import RequestFlow
+from gateway.http.errors import Handler, openai_errors
+from gateway.http.handlers import ApiHandlers
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20  # a long chat history as JSON; aiohttp's default of 1 MiB is tight
+
+HTTP_REQUESTS = Counter("pdserve_gateway_http_requests", "HTTP API requests answered, by route and status",
+                        ["route", "status"])
+
+
+@web.middleware
+async def count_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count each answered request (a stream counts once, with the status it started with)."""
+    response = await handler(request)
+    resource = request.match_info.route.resource
+    HTTP_REQUESTS.labels(resource.canonical if resource is not None else "unmatched", str(response.status)).inc()
+    return response
+
+
+def create_app(flow: RequestFlow, model_name: str) -> web.Application:
+    """The HTTP API over `flow`, serving `model_name` (the id clients send as `model`)."""
+    h = ApiHandlers(flow, model_name)
+    # count_requests sits outside openai_errors, so it sees the error responses too.
+    app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/chat/completions", h.chat_completions)
+    app.router.add_post("/v1/completions", h.completions)
+    app.router.add_get("/v1/models", h.models)
+    app.router.add_get("/v1/models/{model}", h.model)
+    app.router.add_get("/health", h.health)
+    app.router.add_get("/metrics", h.metrics)
+    app.router.add_get("/", h.index)
+    return app
+
+
+@dataclass
+class HttpServer:
+    """A started HTTP API; `close` stops accepting and waits up to `grace_s` for running requests."""
+
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+def split_bind(bind: str) -> tuple[str, int]:
+    """("host", port) of "host:port" or "[v6]:port"; ValueError when it is neither."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"HTTP bind address must be host:port, got {bind!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def start_http(app: web.Application, bind: str, grace_s: float = 5.0) -> HttpServer:
+    """Serve `app` on `bind` ("host:port"; port 0 picks a free one) on the running loop."""
+    host, port = split_bind(bind)
+    # handler_cancellation: a client that disconnects cancels its handler, and with it the
+    # request's downstream calls (the default would let it run on, holding KV, until the next write).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        raise OSError(f"cannot bind the HTTP API to {bind!r}: {err.strerror or err}") from err
+    bound = runner.addresses[0][1]  # the real port when 0 asked for a free one
+    log.info("HTTP API on http://%s:%d (OpenAI-compatible /v1, chat page at /)", host, bound)
+    return HttpServer(runner, host, bound)

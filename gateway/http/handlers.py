@@ -1,0 +1,189 @@
+"""The HTTP API's handlers over the gateway's `RequestFlow` (the same one the gRPC API uses).
+
+A completion request goes: JSON body -> `ApiRequest` (openai_schema) -> prompt length checked and
+the default max_tokens filled in (`_fit`) -> `flow.run`. The first chunk is awaited *before* the
+response starts, so every error the flow raises up to the first token (prompt too long, queue
+full, no workers) still gets its own HTTP status; after that a stream can only report an error
+as an SSE event (`{"error": {...}}`, which OpenAI's SDK raises as APIError).
+
+A client that disconnects cancels its handler (the runner is made with handler_cancellation),
+which cancels the flow's downstream call exactly as a gRPC cancel does: the decode worker aborts
+the sequence and frees its KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from importlib import resources
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from gateway.flow import GenerationRequest, RequestFlow
+from gateway.http.errors import ApiError, api_error_of, json_dumps
+from gateway.http.openai_schema import (ApiRequest, chunk_json, completion_json, parse_chat, parse_completion,
+                                        usage_chunk_json)
+from gateway.http.sse import SSEWriter
+from gateway.output import OutputChunk
+
+log = logging.getLogger(__name__)
+
+# The chat page's Content-Security-Policy: everything it needs is inline or from this origin,
+# so the browser refuses any third-party fetch (no CDN can sneak in).
+PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+            "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
+
+
+def no_deadline() -> float | None:
+    """HTTP requests carry no deadline; the flow's calls then run without a timeout."""
+    return None
+
+
+def load_page() -> bytes:
+    """The chat page, shipped as package data beside this module."""
+    return resources.files("gateway.http").joinpath("static/index.html").read_bytes()
+
+
+class ApiHandlers:
+    """Serves the OpenAI-compatible endpoints, health, metrics and the chat page."""
+
+    def __init__(self, flow: RequestFlow, model_name: str) -> None:
+        self.flow = flow
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.page = load_page()
+
+    # ---- completions ----------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_chat(await _json_body(request)))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, parse_completion(await _json_body(request)))
+
+    async def _complete(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
+        self._check_model(api.model)
+        gen = self._fit(api)
+        stream = self.flow.run(gen, no_deadline)
+        async with aclosing(stream):  # however we leave, the flow's downstream calls end
+            first = await anext(stream, None)  # errors up to the first token keep their status
+            if first is None:
+                raise ApiError(500, "the request ended without output", type="server_error")
+            headers = {"X-Request-Id": gen.request_id}
+            if api.stream:
+                return await self._stream(request, api, first, stream, headers)
+            return await self._whole(api, first, stream, headers)
+
+    def _fit(self, api: ApiRequest) -> GenerationRequest:
+        """The request with max_tokens filled in: what was asked, else all the room the context
+        leaves after the prompt (OpenAI's default); 400 when the prompt and max_tokens do not fit."""
+        req = api.request
+        try:
+            # With max_tokens=1 the flow's own check fails only for a prompt that alone fills the
+            # window; the fit with the real max_tokens is checked below, naming the right field.
+            probe = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=1))
+            prompt_len = len(self.flow.tokenize(probe))
+        except ValueError as err:
+            raise ApiError(400, str(err), param=api.prompt_param,
+                           code="context_length_exceeded" if "context window" in str(err) else None) from None
+        window = self.flow.model.context_window
+        room = window - prompt_len
+        max_tokens = room if api.max_tokens is None else api.max_tokens
+        if max_tokens > room:
+            raise ApiError(
+                400, f"this model's context window is {window} tokens; the prompt has {prompt_len} and "
+                     f"max_tokens asks for {max_tokens} more. Shorten the prompt or set max_tokens to at most {room}",
+                param="max_tokens", code="context_length_exceeded")
+        return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=max_tokens))
+
+    async def _whole(self, api: ApiRequest, first: OutputChunk, rest: AsyncIterator[OutputChunk],
+                     headers: dict[str, str]) -> web.Response:
+        texts, last = [first.text], first
+        while not last.finish_reason:
+            chunk = await anext(rest, None)
+            if chunk is None:
+                raise ApiError(500, "the request ended without a finish reason", type="server_error")
+            texts.append(chunk.text)
+            last = chunk
+        assert last.usage is not None  # the flow's last chunk always carries it
+        body = completion_json(api, self.model_name, "".join(texts), last.finish_reason, last.usage)
+        return web.json_response(body, headers=headers, dumps=json_dumps)
+
+    async def _stream(self, request: web.Request, api: ApiRequest, first: OutputChunk,
+                      rest: AsyncIterator[OutputChunk], headers: dict[str, str]) -> web.StreamResponse:
+        sse = SSEWriter(request, headers)
+        await sse.prepare()
+        try:
+            if api.kind == "chat":
+                await sse.send(chunk_json(api, self.model_name, role=True))
+            chunk = first
+            while True:
+                if chunk.text:
+                    await sse.send(chunk_json(api, self.model_name, text=chunk.text))
+                if chunk.finish_reason:
+                    await sse.send(chunk_json(api, self.model_name, finish_reason=chunk.finish_reason))
+                    if api.include_usage and chunk.usage is not None:
+                        await sse.send(usage_chunk_json(api, self.model_name, chunk.usage))
+                    break
+                try:
+                    chunk = await anext(rest)
+                except StopAsyncIteration:
+                    raise ApiError(500, "the request ended without a finish reason", type="server_error") from None
+                except Exception as exc:  # noqa: BLE001 - the status is sent; report it in the stream
+                    await sse.send(api_error_of(exc).body())
+                    return sse.response
+            return await sse.done()
+        except ConnectionResetError:
+            # Written to a closed connection: the client left. aclosing() ends the flow's calls.
+            log.debug("client of %s went away mid-stream", api.request.request_id)
+            return sse.response
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this gateway serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    # ---- models, health, metrics, page -------------------------------------------------------
+
+    def _model_json(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": self.flow.model.context_window}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_json()]}, dumps=json_dumps)
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_json(), dumps=json_dumps)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when at least one prefill and one decode worker answer their health probe, else 503."""
+        pools = {"prefill": self.flow.prefill_pool, "decode": self.flow.decode_pool}
+        counts = {kind: {"healthy": sum(ep.healthy for ep in pool.endpoints), "total": len(pool.endpoints)}
+                  for kind, pool in pools.items()}
+        ok = all(c["healthy"] > 0 for c in counts.values())
+        body = {"status": "ok" if ok else "unavailable", **counts}
+        if not ok:
+            body["detail"] = "; ".join(f"{kind}: {pool.describe()}" for kind, pool in pools.items())
+        return web.json_response(body, status=200 if ok else 503, dumps=json_dumps)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # CONTENT_TYPE_LATEST carries parameters (version, charset), which aiohttp's content_type= refuses
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def index(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.page, headers={
+            "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": PAGE_CSP,
+            "Cache-Control": "no-cache"})
+
+
+async def _json_body(request: web.Request) -> object:
+    try:
+        return json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
