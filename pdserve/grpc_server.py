@@ -5,6 +5,12 @@ Each service (gateway, prefill, decode, kvstore) starts its grpc.aio server thro
 accept the same message sizes as the channels made by `grpc_channel`, and stop the same way.
 Servicer methods wrap themselves in `abort_on` so bad input becomes a gRPC status with a one-line
 message instead of a Python traceback in the client.
+
+Observability is installed here too, so no service has to: `start_server` sets up the process's
+tracer provider (`pdserve.telemetry`, PDSERVE_TRACES) and the tracing server interceptor, and
+serves the Prometheus default registry on `PDSERVE_METRICS_PORT` when that is set; `grpc_channel`
+adds the client interceptors that propagate W3C trace context. With tracing off (the default)
+neither carries any interceptor.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 import signal
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -22,9 +29,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve import telemetry
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+METRICS_PORT_ENV = "PDSERVE_METRICS_PORT"
+_metrics_port: int | None = None  # the port this process serves /metrics on, once started
 
 # Health servicers of the servers started here, so stop_server can flip them to NOT_SERVING
 # before draining (load balancers stop routing to a server that says it is going away).
@@ -53,7 +64,10 @@ async def start_server(
     (e.g. "pdserve.v1.KVStore"), marked SERVING in health and listed by reflection.
     Returns the started server and the port it is bound to.
     """
-    server = grpc.aio.server(options=message_size_options(max_message_bytes))
+    telemetry.configure(telemetry.service_label(service_names))
+    start_metrics_http()
+    server = grpc.aio.server(options=message_size_options(max_message_bytes),
+                             interceptors=telemetry.server_interceptors() or None)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -66,6 +80,26 @@ async def start_server(
     _health_of[server] = health_servicer
     log.info("serving %s on %s (port %d)", ", ".join(service_names), bind, port)
     return server, port
+
+
+def start_metrics_http() -> int | None:
+    """Serve the Prometheus default registry at http://0.0.0.0:$PDSERVE_METRICS_PORT/metrics, once
+    per process; the port, or None when unset. A busy port is logged, not fatal: metrics must
+    never keep a service from serving."""
+    global _metrics_port
+    raw = os.environ.get(METRICS_PORT_ENV, "").strip()
+    if _metrics_port is not None or not raw:
+        return _metrics_port
+    from prometheus_client import start_http_server
+
+    try:
+        server, _ = start_http_server(int(raw))
+    except (OSError, ValueError) as err:
+        log.warning("cannot serve /metrics on %s=%s: %s", METRICS_PORT_ENV, raw, err)
+        return None
+    _metrics_port = server.server_port
+    log.info("serving Prometheus metrics on port %d", _metrics_port)
+    return _metrics_port
 
 
 def _bind(server: grpc.aio.Server, bind: str) -> int:
@@ -105,8 +139,10 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
 
 
 def grpc_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure aio channel to `target` accepting the same message sizes as our servers."""
-    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes))
+    """An insecure aio channel to `target` accepting the same message sizes as our servers, which
+    propagates trace context when tracing is on."""
+    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes),
+                                     interceptors=telemetry.client_interceptors() or None)
 
 
 class ServiceError(Exception):

@@ -5,6 +5,15 @@ as closures through a queue; the thread runs them between steps, then steps whil
 request is unfinished, and delivers each StepOutput to the asyncio queue of its request.
 When the engine was idle, it waits a short batching window after the first arrival so
 that requests arriving together start in one batch.
+
+Observability (recording only, no behaviour): every step feeds `engine_metrics` (step time,
+batch size, queue time of each request's first token; running/waiting/KV gauges each loop turn).
+With tracing on, admitting a request is an "engine.admit" span under the RPC that asked, and each
+step is one "engine.step" span with the batch size as an attribute. A step serves many requests
+from many traces, so it has no parent: it is a root span with a *link* to the span of each request
+that got a token from it (parenting it to one request would misattribute the others' time, and a
+span per request per step is what "never one span per token" rules out). With tracing off none of
+this builds a span object: `telemetry.enabled()` is checked first.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from pdserve import telemetry
+from pdserve.runtime import engine_metrics
 from pdserve.runtime.engine import Engine, StepOutput
 
 log = logging.getLogger(__name__)
@@ -35,6 +46,12 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self._tracing = telemetry.enabled()
+        # request id -> its RPC's span context (for step links); request id -> when it entered the
+        # engine (for queue time, popped at its first token). Written on the asyncio side or in
+        # `add` closures, read on the engine thread: single dict operations, safe under the GIL.
+        self._trace_ctx: dict[str, Any] = {}
+        self._entered_at: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> "AsyncEngine":
@@ -78,7 +95,7 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
         try:
-            await self.call(add)
+            await self._admit(request_id, add)
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
@@ -90,8 +107,26 @@ class AsyncEngine:
                 yield batch
         finally:
             self._streams.pop(request_id, None)
+            self._trace_ctx.pop(request_id, None)
+            self._entered_at.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
+
+    async def _admit(self, request_id: str, add: Callable[[Engine], Any]) -> None:
+        """Runs `add` on the engine thread, noting when the request entered (and, when tracing, a span)."""
+        def timed_add(engine: Engine) -> Any:
+            result = add(engine)
+            self._entered_at[request_id] = time.perf_counter()
+            return result
+
+        if not self._tracing:
+            await self.call(timed_add)
+            return
+        ctx = telemetry.current_span_context()
+        if ctx is not None:
+            self._trace_ctx[request_id] = ctx
+        with telemetry.tracer().start_as_current_span("engine.admit", attributes={"pdserve.request_id": request_id}):
+            await self.call(timed_add)
 
     def _submit(self, command: Callable[[], None]) -> None:
         if self._stopping or not self._thread.is_alive():
@@ -111,6 +146,7 @@ class AsyncEngine:
             self._drain_commands()
             if self.engine.has_unfinished():
                 self._step()
+            engine_metrics.refresh_gauges(self.engine)
         self._fail_all(EngineDeadError("the engine stopped"))
 
     def _drain_commands(self) -> None:
@@ -122,6 +158,9 @@ class AsyncEngine:
             command()
 
     def _step(self) -> None:
+        counts_before = dict(self.engine.stats.batch_size_counts or {})
+        start_ns = time.time_ns()
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a bug must fail requests, not hang them
@@ -130,6 +169,7 @@ class AsyncEngine:
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
             return
+        self._record_step(outputs, counts_before, start, start_ns)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
@@ -137,6 +177,37 @@ class AsyncEngine:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, deliveries in by_loop.items():  # one wake-up of each loop per step
             loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _record_step(self, outputs: list[StepOutput], counts_before: dict[int, int],
+                     start: float, start_ns: int) -> None:
+        seconds = time.perf_counter() - start
+        batch = engine_metrics.last_batch_size(counts_before, self.engine.stats.batch_size_counts or {})
+        if batch:
+            engine_metrics.observe_step(seconds, batch)
+        for out in outputs:
+            entered = self._entered_at.pop(out.request_id, None)
+            if entered is not None:  # this request's first token
+                engine_metrics.observe_queue(max(start - entered, 0.0))
+        if self._tracing:
+            self._trace_step(outputs, batch, start_ns)
+
+    def _trace_step(self, outputs: list[StepOutput], batch: int, start_ns: int) -> None:
+        """One root span for the step, linked to every request that got a token from it."""
+        from opentelemetry.context import Context
+        from opentelemetry.trace import Link
+
+        links, seen = [], set()
+        for out in outputs:
+            ctx = self._trace_ctx.get(out.request_id)
+            if ctx is not None and out.request_id not in seen:
+                seen.add(out.request_id)
+                links.append(Link(ctx))
+        span = telemetry.tracer().start_span(
+            "engine.step", context=Context(), links=links, start_time=start_ns,
+            attributes={"pdserve.batch_size": batch, "pdserve.outputs": len(outputs),
+                        "pdserve.running": len(self.engine.scheduler.running),
+                        "pdserve.waiting": len(self.engine.scheduler.waiting)})
+        span.end()
 
     def _fail_all(self, exc: BaseException) -> None:
         for loop, outputs_queue in list(self._streams.values()):
