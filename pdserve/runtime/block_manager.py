@@ -56,6 +56,10 @@ class BlockManager:
     def lookup(self, hash_: bytes) -> int | None:
         return self._by_hash.get(hash_)
 
+    def resident_hashes(self) -> set[bytes]:
+        """Hashes of every full block whose KV this cache holds (referenced or cached)."""
+        return set(self._by_hash)
+
     def allocate(self, seq: Sequence) -> bool:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks; False if short."""
         hashes = prompt_block_hashes(seq.token_ids, self.block_size, self.fingerprint, self.kv_dtype)

@@ -132,7 +132,7 @@ def export_cached_blocks(engine: Engine, hashes: list[bytes]) -> list[ExportedBl
 
 def resident_hashes(engine: Engine) -> set[bytes]:
     """Hashes of every full block the paged cache holds (referenced or cached)."""
-    return set(engine.block_manager._by_hash)  # noqa: SLF001 - read-only snapshot, engine thread
+    return engine.block_manager.resident_hashes()
 
 
 def _copy_in(engine: Engine, data: torch.Tensor | None) -> int | None:
