@@ -347,3 +347,60 @@ def test_up_refuses_a_busy_http_port_and_reports_off():
     workers, gateway = plan(args)
     assert "--http-port" in gateway.command and gateway.command[gateway.command.index("--http-port") + 1] == "0"
     assert " http=off " in ready_line(args, workers, gateway)
+
+
+# ---- failures after the stream started, and bugs (a fake flow, no stack) ------------------------
+
+class _FakeFlow:
+    """Duck-types what the handlers use of RequestFlow; `run` yields `chunks`, then raises `error`."""
+
+    def __init__(self, chunks, error: BaseException | None) -> None:
+        from types import SimpleNamespace
+
+        self.chunks, self.error = chunks, error
+        self.model = SimpleNamespace(context_window=64)
+        self.prefill_pool = self.decode_pool = SimpleNamespace(endpoints=[], describe=lambda: "none")
+
+    def tokenize(self, request) -> list[int]:
+        return [1, 2, 3]
+
+    async def run(self, request, time_remaining):
+        for chunk in self.chunks:
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+
+async def _fake_gateway(flow: _FakeFlow, body: dict) -> tuple[int, bytes]:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.http import create_app
+
+    async with TestClient(TestServer(create_app(flow, MODEL))) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+        return resp.status, await resp.read()
+
+
+def test_errors_after_the_first_token_and_unexpected_ones():
+    import grpc
+
+    from gateway.output import OutputChunk
+    from pdserve.grpc_server import ServiceError
+
+    died = ServiceError(grpc.StatusCode.UNAVAILABLE, "decode worker 127.0.0.1:1 went away")
+    first = [OutputChunk("Once", (5,))]
+    # Streamed: the status is already 200, so the error is the last event, without [DONE].
+    status, payload = asyncio.run(_fake_gateway(_FakeFlow(first, died), {**CHAT, "stream": True}))
+    events = payload.split(b"\n\n")[:-1]
+    assert status == 200 and b"[DONE]" not in payload
+    assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "service_unavailable"
+    # Whole: the same failure is the response's status.
+    status, payload = asyncio.run(_fake_gateway(_FakeFlow(first, died), CHAT))
+    assert status == 503 and "went away" in json.loads(payload)["error"]["message"]
+    status, payload = asyncio.run(_fake_gateway(
+        _FakeFlow([], ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")), CHAT))
+    assert status == 504
+    # A bug: 500 in OpenAI's shape, the traceback only in the gateway's log.
+    status, payload = asyncio.run(_fake_gateway(_FakeFlow([], RuntimeError("secret detail")), CHAT))
+    error = json.loads(payload)["error"]
+    assert status == 500 and error["type"] == "server_error" and "secret" not in payload.decode()
