@@ -1,4 +1,9 @@
-"""HF checkpoint directories: config.json + *.safetensors (single or sharded) + tokenizer files."""
+"""HF checkpoint directories: config.json + *.safetensors (single or sharded) + tokenizer files.
+
+GPTQ-quantized directories (a `quantization_config`, `*.qweight` tensors) load too: their projections
+come back as `pdserve.quant.gptq_format.QuantizedWeight`s. A directory made by `pdserve quantize`
+from a GGUF file carries that file's tokenizer as `tokenizer.gguf` (vocabulary metadata only).
+"""
 
 from __future__ import annotations
 
@@ -16,15 +21,40 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
 INDEX_FILE = "model.safetensors.index.json"
 
 
+GGUF_TOKENIZER_FILE = "tokenizer.gguf"
+
+
 def read_hf_directory(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], HFTokenizer, list[Path]]:
     config = read_config(path / "config.json")
     files = weight_files(path)
     weights = read_weights(files, config, dtype)
+    weights |= _read_quantized(path, files, config, dtype)
+    if (path / GGUF_TOKENIZER_FILE).exists() and not (path / "tokenizer_config.json").exists():
+        from pdserve.runtime.gguf_reader import load_gguf_tokenizer
+
+        return config, weights, load_gguf_tokenizer(path / GGUF_TOKENIZER_FILE), files
     try:
         tokenizer = HFTokenizer.from_directory(path, config.eos_token_ids)
     except Exception as e:  # transformers raises OSError/ValueError/... for missing or bad files
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e
     return config, weights, tokenizer, files
+
+
+def _read_quantized(path: Path, files: list[Path], config: ModelConfig, dtype: torch.dtype) -> dict:
+    """The GPTQ-quantized projections, if the checkpoint has any; config and tensors must agree."""
+    from pdserve.quant import gptq_format as gf
+    from pdserve.quant.spec import QuantError
+
+    try:
+        qc = gf.read_quant_config(path, json.loads((path / "config.json").read_text()))
+        if qc is None:
+            if gf.has_quantized_tensors(files):
+                raise QuantError("tensors are GPTQ-quantized (*.qweight) but there is no quantization_config "
+                                 f"in config.json nor a {gf.QUANT_CONFIG_FILE}")
+            return {}
+        return gf.read_quantized_linears(files, expected_shapes(config), config.num_layers, qc, dtype)
+    except QuantError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
 
 
 def read_config(file: Path) -> ModelConfig:

@@ -1,8 +1,9 @@
 """Our own forward pass of the Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
 
 Weights come in HF naming (see `loader.Checkpoint`); q/k/v and gate/up are fused into one
-matrix each so that one step is few large matmuls. The math follows transformers'
-LlamaForCausalLM (rotate-half RoPE, fp32 RMSNorm), which the tests hold it to.
+matrix each so that one step is few large matmuls. Projections are "linear" objects
+(`pdserve.quant.linear`): dense ones run F.linear, GPTQ-quantized ones dequantize on the fly.
+The math follows transformers' LlamaForCausalLM (rotate-half RoPE, fp32 RMSNorm), which the tests hold it to.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.quant.linear import Linear, as_linear, fused_linear
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.config import ModelConfig
 from pdserve.runtime.kernels import get_kernels, torch_ops
@@ -21,33 +23,32 @@ from pdserve.runtime.kernels import get_kernels, torch_ops
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2 * KVH) * hd, D]
-    qkv_bias: torch.Tensor | None  # [(H + 2 * KVH) * hd]
-    o: torch.Tensor  # [D, H * hd]
+    qkv: Linear  # [N, D] -> [N, (H + 2 * KVH) * hd], bias included
+    o: Linear  # [N, H * hd] -> [N, D]
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 * I, D]
-    down: torch.Tensor  # [D, I]
+    gate_up: Linear  # [N, D] -> [N, 2 * I]
+    down: Linear  # [N, I] -> [N, D]
 
 
-def _layer_weights(w: dict[str, torch.Tensor], i: int, bias: bool) -> LayerWeights:
+def _layer_weights(w: dict, i: int, bias: bool) -> LayerWeights:
     p = f"model.layers.{i}."
     attn = [w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
-    qkv_bias = torch.cat([w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"]) if bias else None
+    qkv_bias = [w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"] if bias else None
     return LayerWeights(
         input_norm=w[f"{p}input_layernorm.weight"],
-        qkv=torch.cat(attn, dim=0).contiguous(),
-        qkv_bias=qkv_bias,
-        o=w[f"{p}self_attn.o_proj.weight"],
+        qkv=fused_linear(attn, qkv_bias),
+        o=as_linear(w[f"{p}self_attn.o_proj.weight"]),
         post_norm=w[f"{p}post_attention_layernorm.weight"],
-        gate_up=torch.cat([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]], dim=0).contiguous(),
-        down=w[f"{p}mlp.down_proj.weight"],
+        gate_up=fused_linear([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]]),
+        down=as_linear(w[f"{p}mlp.down_proj.weight"]),
     )
 
 
 class LlamaModel:
     """Stateless forward: the KV cache and the step's metadata are passed in."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, weights: dict, device: str = "cpu") -> None:
+        """weights: HF names -> tensors, or `QuantizedWeight`s for quantized projections."""
         self.config = config
         self.kernels = get_kernels(device)
         w = {name: t.to(device) for name, t in weights.items()}
@@ -75,7 +76,7 @@ class LlamaModel:
                 hidden, residual = k.add_rms_norm(hidden, residual, layer.input_norm, self.config.rms_norm_eps)
             hidden = self._attention(i, layer, hidden, positions, meta, kv_cache)
             hidden, residual = k.add_rms_norm(hidden, residual, layer.post_norm, self.config.rms_norm_eps)
-            hidden = F.linear(k.silu_and_mul(F.linear(hidden, layer.gate_up)), layer.down)
+            hidden = layer.down(k.silu_and_mul(layer.gate_up(hidden)))
         hidden, _ = k.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
 
@@ -87,7 +88,7 @@ class LlamaModel:
                    meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         c, k = self.config, self.kernels
         n = hidden.shape[0]
-        qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)  # [N, (H + 2 KVH) * hd]
+        qkv = layer.qkv(hidden)  # [N, (H + 2 KVH) * hd]
         q, key, value = qkv.split(self._split, dim=-1)
         q = q.view(n, c.num_heads, c.head_dim)
         key = key.view(n, c.num_kv_heads, c.head_dim)
@@ -102,4 +103,4 @@ class LlamaModel:
         for p in meta.prefills:
             sl = slice(p.query_start, p.query_start + p.query_len)
             out[sl] = k.prefill_attention(q[sl], kv_cache, i, p.block_table, p.context_len, self.scale)
-        return F.linear(out.view(n, -1), layer.o)
+        return layer.o(out.view(n, -1))

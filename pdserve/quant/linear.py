@@ -1,0 +1,134 @@
+"""The linear layers the runtime model calls: `layer.qkv(x)` etc., whatever the weight format.
+
+- DenseLinear: F.linear on a float weight (the FP32 path, unchanged numerics).
+- QuantLinear: a GPTQ-format weight dequantized on the fly in torch on each call (CPU, or any device
+  torch runs on); memory stays packed (bits/8 bytes per weight plus scales and zeros).
+- ConcatLinear: parts whose outputs are concatenated, for fused q/k/v or gate/up that cannot be
+  merged into one matrix (different g_idx, or dense next to quantized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.quant.gptq_format import QuantizedWeight
+from pdserve.quant.packing import per_word
+
+
+class Linear(Protocol):
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class DenseLinear:
+    __slots__ = ("weight", "bias", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias  # [out] or None
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        b = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return self.weight.numel() * self.weight.element_size() + b
+
+
+class QuantLinear:
+    """y = x @ dequant(W)^T + b with W kept packed; zero points are unpacked once (they are small)."""
+
+    __slots__ = ("qweight", "zeros", "scales", "g_idx", "bits", "in_features", "out_features", "bias", "_shifts")
+
+    def __init__(self, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+                 bits: int, in_features: int, bias: torch.Tensor | None = None) -> None:
+        self.qweight = qweight  # int32 [ceil(in / P), out]
+        self.zeros = zeros.to(scales.dtype)  # [groups, out], offset applied
+        self.scales = scales  # [groups, out]
+        self.g_idx = g_idx.long()  # [in]
+        self.bits, self.in_features, self.out_features = bits, in_features, qweight.shape[1]
+        self.bias = bias
+        p = per_word(bits)
+        self._shifts = (torch.arange(p, dtype=torch.int32, device=qweight.device) * bits).view(1, p, 1)
+
+    @classmethod
+    def of(cls, weights: Sequence[QuantizedWeight], bias: torch.Tensor | None = None) -> QuantLinear:
+        """One QuantLinear over weights that share bits and g_idx, concatenated along output channels
+        (qweight packs along inputs, so its columns concatenate as they are)."""
+        first = weights[0]
+        return cls(torch.cat([w.qweight for w in weights], dim=1), torch.cat([w.zeros() for w in weights], dim=1),
+                   torch.cat([w.scales for w in weights], dim=1), first.g_idx, first.bits, first.in_features, bias)
+
+    def weight_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized weight, transposed: [in, out] in `dtype`."""
+        codes = (self.qweight.unsqueeze(1) >> self._shifts) & ((1 << self.bits) - 1)  # [W, P, out]
+        codes = codes.view(-1, self.out_features)[:self.in_features]  # [in, out]
+        return (codes.to(dtype) - self.zeros[self.g_idx].to(dtype)) * self.scales[self.g_idx].to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t(x.dtype))  # [N, out]
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes (zeros are held unpacked, in the scales' dtype)."""
+        ts = [self.qweight, self.scales, self.zeros, self.g_idx] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class ConcatLinear:
+    __slots__ = ("parts", "out_features")
+
+    def __init__(self, parts: Sequence[Linear]) -> None:
+        self.parts = list(parts)
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+WeightLike = torch.Tensor | QuantizedWeight
+
+
+def as_linear(weight: WeightLike, bias: torch.Tensor | None = None) -> Linear:
+    return QuantLinear.of([weight], bias) if isinstance(weight, QuantizedWeight) else DenseLinear(weight, bias)
+
+
+def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] | None = None) -> Linear:
+    """One linear computing the concatenation of each weight's output (q|k|v, gate|up).
+
+    Dense weights are concatenated into one matrix (as before quantization existed). Quantized ones
+    are concatenated along output channels when they share bits and g_idx, which q/k/v (and
+    gate/up) do when quantized together: same inputs, same Hessian, same activation order. Else
+    each part runs on its own.
+    """
+    bias = torch.cat(list(biases)) if biases is not None else None
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return DenseLinear(torch.cat(list(weights), dim=0).contiguous(), bias)
+    if all(isinstance(w, QuantizedWeight) for w in weights) and _same_layout(weights):
+        return QuantLinear.of(weights, bias)
+    parts = []
+    for j, w in enumerate(weights):
+        parts.append(as_linear(w, None if biases is None else biases[j]))
+    return ConcatLinear(parts)
+
+
+def _same_layout(weights: Sequence[QuantizedWeight]) -> bool:
+    first = weights[0]
+    return all(w.bits == first.bits and w.in_features == first.in_features
+               and w.scales.shape[0] == first.scales.shape[0] and torch.equal(w.g_idx, first.g_idx)
+               for w in weights)
