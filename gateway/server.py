@@ -65,7 +65,8 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
     http = None
     if http_bind is not None:
         from gateway.http import create_app, start_http
-        http = await start_http(create_app(flow, model_name or default_model_name(model_path)), http_bind)
+        app = create_app(flow, model_name or default_model_name(model_path), servicer.slo)
+        http = await start_http(app, http_bind)
     try:
         server, port = await start_server(
             bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME])

@@ -183,9 +183,18 @@ def test_models_health_metrics_page(stack, client):
 
     with urllib.request.urlopen(stack.http_url + "/health", timeout=10) as r:
         assert r.status == 200 and json.load(r)["status"] == "ok"
-    with urllib.request.urlopen(stack.http_url + "/metrics", timeout=10) as r:
-        assert r.headers["Content-Type"].startswith("text/plain; version=")
-        text = r.read().decode()
+    def metrics() -> str:
+        with urllib.request.urlopen(stack.http_url + "/metrics", timeout=10) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=")
+            return r.read().decode()
+
+    def ok_requests(text: str) -> float:
+        return float(re.search(r'^pdserve_requests_total\{status="OK"\} (\S+)$', text, re.M)[1])
+
+    before = ok_requests(metrics())
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    text = metrics()
+    assert ok_requests(text) == before + 1  # HTTP requests count in the gateway's request metrics
     assert "# TYPE pdserve_gateway_http_requests_total counter" in text
     assert re.search(r'pdserve_gateway_http_requests_total\{route="/v1/models",status="200"\} [1-9]', text)
     with urllib.request.urlopen(stack.http_url + "/", timeout=10) as r:
@@ -276,6 +285,7 @@ async def _queue_full_and_disconnect(stack) -> None:
     server, _ = await gateway_server.serve("127.0.0.1:0", workers["prefill-0"], workers["decode-0"],
                                            workers["kvstore"], None, max_inflight=1, http_bind="127.0.0.1:0")
     url = f"http://127.0.0.1:{gateway_server.http_server(server).port}/v1/chat/completions"
+    cancelled0, busy0 = _requests("CANCELLED"), _requests("RESOURCE_EXHAUSTED")
     long_request = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
     try:
         async with aiohttp.ClientSession() as session:
@@ -296,8 +306,17 @@ async def _queue_full_and_disconnect(stack) -> None:
             with pytest.raises(asyncio.TimeoutError):
                 await session.post(url, json={**long_request, "stream": False}, timeout=aiohttp.ClientTimeout(total=1))
             assert await _wait_idle(stack), (stack.worker_stats("decode-0"), stack.kvstore_stats())
+            # Both disconnects are cancels in the request metrics, not server errors.
+            assert (_requests("CANCELLED") - cancelled0, _requests("RESOURCE_EXHAUSTED") - busy0) == (2, 1)
     finally:
         await gateway_server.stop(server, grace_s=1)
+
+
+def _requests(status: str) -> float:
+    """pdserve_requests_total{status} of this process (where the in-process gateway runs)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("pdserve_requests_total", {"status": status}) or 0.0
 
 
 async def _no_workers() -> None:

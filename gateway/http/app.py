@@ -15,6 +15,7 @@ from prometheus_client import Counter
 from gateway.flow import RequestFlow
 from gateway.http.errors import Handler, openai_errors
 from gateway.http.handlers import ApiHandlers
+from gateway.slo import SloMonitor
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,10 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     return response
 
 
-def create_app(flow: RequestFlow, model_name: str) -> web.Application:
-    """The HTTP API over `flow`, serving `model_name` (the id clients send as `model`)."""
-    h = ApiHandlers(flow, model_name)
+def create_app(flow: RequestFlow, model_name: str, slo: SloMonitor | None = None) -> web.Application:
+    """The HTTP API over `flow`, serving `model_name` (the id clients send as `model`); its requests'
+    TTFTs feed `slo` (pass the gRPC servicer's, so one SLO window sees both APIs)."""
+    h = ApiHandlers(flow, model_name, slo)
     # count_requests sits outside openai_errors, so it sees the error responses too.
     app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/chat/completions", h.chat_completions)

@@ -6,16 +6,19 @@ response starts, so every error the flow raises up to the first token (prompt to
 full, no workers) still gets its own HTTP status; after that a stream can only report an error
 as an SSE event (`{"error": {...}}`, which OpenAI's SDK raises as APIError).
 
-A client that disconnects cancels its handler (the runner is made with handler_cancellation),
-which cancels the flow's downstream call exactly as a gRPC cancel does: the decode worker aborts
-the sequence and frees its KV.
+A client that disconnects cancels its handler (the runner is made with handler_cancellation;
+a write to the closed socket is turned into the same CancelledError), which cancels the flow's
+downstream call exactly as a gRPC cancel does: the decode worker aborts the sequence and frees its
+KV. Each request runs inside `gateway.observe.observe_request`, like a gRPC one, so the request
+metrics (pdserve_requests_total{status}, TTFT, TPOT, ...), the request span and the SLO monitor
+cover both APIs; a request refused at the HTTP edge (bad field, unknown model, prompt too long)
+never reaches the flow and shows only in pdserve_gateway_http_requests_total.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -29,9 +32,9 @@ from gateway.http.errors import ApiError, api_error_of, json_dumps
 from gateway.http.openai_schema import (ApiRequest, chunk_json, completion_json, parse_chat, parse_completion,
                                         usage_chunk_json)
 from gateway.http.sse import SSEWriter
+from gateway.observe import RequestObserver, observe_request
 from gateway.output import OutputChunk
-
-log = logging.getLogger(__name__)
+from gateway.slo import SloMonitor
 
 # The chat page's Content-Security-Policy: everything it needs is inline or from this origin,
 # so the browser refuses any third-party fetch (no CDN can sneak in).
@@ -52,8 +55,9 @@ def load_page() -> bytes:
 class ApiHandlers:
     """Serves the OpenAI-compatible endpoints, health, metrics and the chat page."""
 
-    def __init__(self, flow: RequestFlow, model_name: str) -> None:
+    def __init__(self, flow: RequestFlow, model_name: str, slo: SloMonitor | None = None) -> None:
         self.flow = flow
+        self.slo = slo  # the gRPC servicer's, so that one SLO window sees both APIs
         self.model_name = model_name
         self.created = int(time.time())
         self.page = load_page()
@@ -69,15 +73,30 @@ class ApiHandlers:
     async def _complete(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
         self._check_model(api.model)
         gen = self._fit(api)
-        stream = self.flow.run(gen, no_deadline)
-        async with aclosing(stream):  # however we leave, the flow's downstream calls end
-            first = await anext(stream, None)  # errors up to the first token keep their status
-            if first is None:
-                raise ApiError(500, "the request ended without output", type="server_error")
-            headers = {"X-Request-Id": gen.request_id}
-            if api.stream:
-                return await self._stream(request, api, first, stream, headers)
-            return await self._whole(api, first, stream, headers)
+        headers = {"X-Request-Id": gen.request_id}
+        sse: SSEWriter | None = None
+        try:
+            # The same request metrics, span and SLO feed as a gRPC request (gateway.observe): the
+            # exception leaving this block (or none) is the status it records.
+            with observe_request(gen.request_id, gen.session_id, self.slo) as obs:
+                stream = self.flow.run(gen, no_deadline)
+                async with aclosing(stream):  # however we leave, the flow's downstream calls end
+                    chunks = _observed(stream, obs)
+                    first = await anext(chunks, None)  # errors up to the first token keep their status
+                    if first is None:
+                        raise ApiError(500, "the request ended without output", type="server_error")
+                    if not api.stream:
+                        return await self._whole(api, first, chunks, headers)
+                    sse = SSEWriter(request, headers)
+                    await sse.prepare()
+                    await self._send_events(sse, api, first, chunks)
+            return await sse.done()
+        except Exception as exc:  # noqa: BLE001 - re-raised unless the stream has started
+            if sse is None or not sse.response.prepared:
+                raise  # openai_errors answers it with its status
+            # 200 is on the wire already: the error is the stream's last event (no [DONE]).
+            await sse.send(api_error_of(exc).body())
+            return sse.response
 
     def _fit(self, api: ApiRequest) -> GenerationRequest:
         """The request with max_tokens filled in: what was asked, else all the room the context
@@ -114,34 +133,22 @@ class ApiHandlers:
         body = completion_json(api, self.model_name, "".join(texts), last.finish_reason, last.usage)
         return web.json_response(body, headers=headers, dumps=json_dumps)
 
-    async def _stream(self, request: web.Request, api: ApiRequest, first: OutputChunk,
-                      rest: AsyncIterator[OutputChunk], headers: dict[str, str]) -> web.StreamResponse:
-        sse = SSEWriter(request, headers)
-        await sse.prepare()
-        try:
-            if api.kind == "chat":
-                await sse.send(chunk_json(api, self.model_name, role=True))
-            chunk = first
-            while True:
-                if chunk.text:
-                    await sse.send(chunk_json(api, self.model_name, text=chunk.text))
-                if chunk.finish_reason:
-                    await sse.send(chunk_json(api, self.model_name, finish_reason=chunk.finish_reason))
-                    if api.include_usage and chunk.usage is not None:
-                        await sse.send(usage_chunk_json(api, self.model_name, chunk.usage))
-                    break
-                try:
-                    chunk = await anext(rest)
-                except StopAsyncIteration:
-                    raise ApiError(500, "the request ended without a finish reason", type="server_error") from None
-                except Exception as exc:  # noqa: BLE001 - the status is sent; report it in the stream
-                    await sse.send(api_error_of(exc).body())
-                    return sse.response
-            return await sse.done()
-        except ConnectionResetError:
-            # Written to a closed connection: the client left. aclosing() ends the flow's calls.
-            log.debug("client of %s went away mid-stream", api.request.request_id)
-            return sse.response
+    async def _send_events(self, sse: SSEWriter, api: ApiRequest, first: OutputChunk,
+                           rest: AsyncIterator[OutputChunk]) -> None:
+        """Role (chat), text deltas, the finish reason, the usage when asked; not [DONE]."""
+        if api.kind == "chat":
+            await sse.send(chunk_json(api, self.model_name, role=True))
+        chunk: OutputChunk | None = first
+        while chunk is not None:
+            if chunk.text:
+                await sse.send(chunk_json(api, self.model_name, text=chunk.text))
+            if chunk.finish_reason:
+                await sse.send(chunk_json(api, self.model_name, finish_reason=chunk.finish_reason))
+                if api.include_usage and chunk.usage is not None:
+                    await sse.send(usage_chunk_json(api, self.model_name, chunk.usage))
+                return
+            chunk = await anext(rest, None)
+        raise ApiError(500, "the request ended without a finish reason", type="server_error")
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -180,6 +187,13 @@ class ApiHandlers:
         return web.Response(body=self.page, headers={
             "Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": PAGE_CSP,
             "Cache-Control": "no-cache"})
+
+
+async def _observed(stream: AsyncIterator[OutputChunk], obs: RequestObserver) -> AsyncIterator[OutputChunk]:
+    """`stream`, telling the observer about each chunk (TTFT, tokens) as it passes."""
+    async for chunk in stream:
+        obs.chunk(len(chunk.token_ids))
+        yield chunk
 
 
 async def _json_body(request: web.Request) -> object:

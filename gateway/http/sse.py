@@ -6,6 +6,7 @@ buffering by aiohttp; `X-Accel-Buffering: no` asks nginx-style proxies not to bu
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -36,11 +37,19 @@ class SSEWriter:
         await self.response.prepare(self.request)
 
     async def send(self, obj: Any) -> None:
-        """Write one event; ConnectionResetError when the client has gone away."""
-        await self.response.write(event_bytes(obj))
+        """Write one event; CancelledError when the client has gone away."""
+        await self._write(event_bytes(obj))
 
     async def done(self) -> web.StreamResponse:
         """Write `data: [DONE]` and end the response."""
-        await self.response.write(DONE)
+        await self._write(DONE)
         await self.response.write_eof()
         return self.response
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.response.write(data)
+        except ConnectionResetError:
+            # The client left: for the request that is a cancel (as on gRPC, and as aiohttp's
+            # handler_cancellation makes it anyway when it notices first), not a server error.
+            raise asyncio.CancelledError("the client disconnected") from None
