@@ -48,10 +48,18 @@ def spans(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict]]:
             list(stack.gateway_stub().Generate(bad, timeout=60))
         # the interceptors leave the status and its message as the servicer set them
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in err.value.details()
-        yield _wait_for_spans(path, lambda rows: sum(r["name"] == "pdserve.v1.Gateway/Generate" for r in rows) == 2
-                              and any(r["name"] == "pdserve.v1.KVStore/Release" for r in rows))
+        yield _wait_for_spans(path, _complete)
     finally:
         stack.stop()
+
+
+def _complete(rows: list[dict]) -> bool:
+    """Both requests' gateway spans, the decode worker's server span (it ends after the gateway has
+    its last chunk: the gateway then cancels the call) and the lease release are written."""
+    names = [(r["service"], r["name"]) for r in rows]
+    return (names.count(("pdserve-gateway", "pdserve.v1.Gateway/Generate")) == 2
+            and ("pdserve-decode", "pdserve.v1.DecodeWorker/Decode") in names
+            and ("pdserve-kvstore", "pdserve.v1.KVStore/Release") in names)
 
 
 def _wait_for_spans(path: Path, complete, timeout_s: float = 15.0) -> list[dict]:
