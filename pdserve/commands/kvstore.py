@@ -10,7 +10,7 @@ import sys
 
 NAME = "kvstore"
 HELP = "run the KV store service (content-addressed KV blocks, LRU, leases, optional Redis tier)"
-BACKEND_ENV = "PDSERVE_KV_BACKEND"  # default of --kv-backend (`pdserve up` passes no such flag yet)
+BACKEND_ENV = "PDSERVE_KV_BACKEND"  # default of --kv-backend
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -49,7 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
+    p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
     p.add_argument("--kvstore-capacity-mb", type=float, default=1024, help="memory of the kvstore")
+    p.add_argument("--kv-backend", default=os.environ.get("PDSERVE_KV_BACKEND", "memory"),
+                   help="the kvstore's second tier: memory (none) or redis://host:port/db")
     p.add_argument("--max-inflight", type=int, default=256, help="the gateway's in-flight request limit")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds each phase may take to report SERVING")
@@ -109,9 +112,10 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     kv = f"{loopback}:{free_port()}"
     model = ("--model", args.model) if args.model else ()
     engine = (*model, "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype,
-              *(("--threads", str(args.threads)) if args.threads else ()))
+              "--num-blocks", str(args.num_blocks), *(("--threads", str(args.threads)) if args.threads else ()))
     workers = [ChildSpec("kvstore", kv, pdserve_command(
-        "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb)))]
+        "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb),
+        "--kv-backend", args.kv_backend))]
     for kind, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             addr = f"{loopback}:{free_port()}"
