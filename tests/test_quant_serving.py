@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 
 from conftest import STORIES_GGUF
 from pdserve.cli import build_parser

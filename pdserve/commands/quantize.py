@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             provenance["calibration"] = {"set": args.calib, "rows": int(calib.shape[0]), "seq_len": args.calib_seq_len}
         bar = ProgressBar(checkpoint.config.num_layers * len(STAGES), f"{args.method} int{args.bits}")
         weights = quantize_model(checkpoint.config, checkpoint.weights, spec, args.method, calib, args.damp, bar)
-        out = save_quantized(args.out, checkpoint, weights, quantization_config(spec, args.method, args.damp, provenance))
+        qconfig = quantization_config(spec, args.method, args.damp, provenance)
+        out = save_quantized(args.out, checkpoint, weights, qconfig)
     except (QuantError, ModelLoadError) as e:
         print(f"pdserve quantize: error: {e}", file=sys.stderr)
         return 2

@@ -16,9 +16,9 @@ import torch
 
 from pdserve.quant.gptq_format import QUANT_CONFIG_FILE, QuantizedWeight
 from pdserve.quant.spec import QuantSpec
+from pdserve.runtime.hf_reader import GGUF_TOKENIZER_FILE
 
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-GGUF_TOKENIZER_FILE = "tokenizer.gguf"
 
 
 def quantization_config(spec: QuantSpec, method: str, damp_percent: float,

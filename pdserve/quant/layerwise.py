@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from pdserve.quant.gptq import HessianAccumulator, gptq_quantize
 from pdserve.quant.gptq_format import QuantizedWeight
-from pdserve.quant.linear import Linear, QuantLinear, as_linear, fused_linear
+from pdserve.quant.linear import Linear, as_linear, fused_linear
 from pdserve.quant.quantizer import rtn_quantize
 from pdserve.quant.spec import QuantError, QuantSpec
 from pdserve.runtime.config import ModelConfig
@@ -139,7 +139,3 @@ def _site_hessian(layer: _Layer, site: str, x: torch.Tensor, c: ModelConfig, cos
     finally:
         layer.linears[site] = inner
     return rec.acc.hessian()
-
-
-def is_quantized(linear: Linear) -> bool:
-    return isinstance(linear, QuantLinear)

@@ -18,7 +18,8 @@ class ProgressBar:
         self.done += 1
         filled = self.width * self.done // max(self.total, 1)
         elapsed = time.perf_counter() - self.start
-        line = f"\r{self.title} [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:5.1f}s {label}"
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"\r{self.title} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {label}"
         self.stream.write(line.ljust(90))
         if self.done >= self.total:
             self.stream.write("\n")
