@@ -20,6 +20,7 @@ def plot(path: str, runs: Sequence[RunResult], summaries: Sequence[dict[str, Any
 
     matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     sweep = len(runs) > 1
     fig, axes = plt.subplots(2 if sweep else 1, 3, figsize=(15, 8.5 if sweep else 4.5), squeeze=False)
@@ -31,6 +32,7 @@ def plot(path: str, runs: Sequence[RunResult], summaries: Sequence[dict[str, Any
                 style = "--" if run is baseline else "-"
                 ax.plot(values, np.arange(1, len(values) + 1) / len(values), style, label=run.label)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap
         ax.set_xlabel(f"{name} (ms, log)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{name} CDF")

@@ -100,9 +100,9 @@ def format_comparison(runs: Sequence[dict[str, Any]], baseline: dict[str, Any] |
     """Metrics as rows, runs as columns; with a baseline, its column and run/baseline ratios beside."""
     columns = [*runs, *([baseline] if baseline else [])]
     width = max(14, *(len(c["label"]) + 2 for c in columns))
-    head = f"{'metric':<22}" + "".join(f"{c['label']:>{width}}" for c in columns)
-    if baseline:
-        head += "".join(f"{'ratio ' + r['label']:>{width + 2}}" for r in runs) if len(runs) > 1 else f"{'ratio':>10}"
+    ratio_heads = [r["label"].replace("pdserve", "ratio", 1) for r in runs] if baseline else []
+    head = f"{'metric':<22}" + "".join(f"{c['label']:>{width}}" for c in columns) \
+        + "".join(f"{h:>{width}}" for h in ratio_heads)
     lines = [head, "-" * len(head)]
     for label, key, sub, _ in ROWS:
         vals = [c[key][sub] if sub else c[key] for c in columns]
@@ -110,9 +110,8 @@ def format_comparison(runs: Sequence[dict[str, Any]], baseline: dict[str, Any] |
         if baseline:
             base = vals[-1]
             for v in vals[:-1]:
-                ratio = v / base if v is not None and base else None
-                cell = f"{ratio:.2f}x" if ratio is not None else "-"
-                line += f"{cell:>{width + 8}}" if len(runs) > 1 else f"{cell:>10}"
+                cell = f"{v / base:.2f}x" if v is not None and base else "-"
+                line += f"{cell:>{width}}"
         lines.append(line)
     for c in columns:
         if c["failed"]:
@@ -121,6 +120,8 @@ def format_comparison(runs: Sequence[dict[str, Any]], baseline: dict[str, Any] |
     slo = columns[0]["slo"]
     lines.append("completed: " + ", ".join(f"{c['label']} {c['completed']}" for c in columns)
                  + f"; goodput SLO: TTFT <= {_fmt(slo['ttft_ms'], 0)} ms, TPOT <= {_fmt(slo['tpot_ms'], 0)} ms")
+    if baseline:
+        lines.append(f"ratio = pdserve / {baseline['label']}: above 1 is better for rates, below 1 for latencies")
     return "\n".join(lines)
 
 
