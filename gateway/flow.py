@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway import worker_calls
+from gateway import observe, worker_calls
 from gateway.background import spawn
 from gateway.limits import InflightLimit
 from gateway.metrics import PREFIX_CACHE_HIT_TOKENS, PROMPT_TOKENS
@@ -214,6 +214,7 @@ class RequestFlow:
         failed: list[WorkerEndpoint] = []
         while True:
             ep = self.prefill_pool.pick(exclude=failed)  # UNAVAILABLE when none is left
+            observe.mark_dispatched()  # queue time ends here (a no-op outside a request)
             try:
                 with ep.track():
                     return await worker_calls.prefill(ep, rid, prompt_ids, sampling, cached_blocks,

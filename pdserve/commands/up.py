@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 NAME = "up"
 HELP = "run kvstore, prefill and decode workers and the gateway as local child processes"
@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-backend", default=os.environ.get("PDSERVE_KV_BACKEND", "memory"),
                    help="the kvstore's second tier: memory (none) or redis://host:port/db")
     p.add_argument("--max-inflight", type=int, default=256, help="the gateway's in-flight request limit")
+    p.add_argument("--metrics-port-base", type=int, default=0,
+                   help="serve each child's Prometheus /metrics on consecutive ports from this one (0: off)")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="seconds each phase may take to report SERVING")
     p.add_argument("--grace-period", type=float, default=10.0,
@@ -67,6 +69,7 @@ class ChildSpec:
     name: str  # "prefill-0", shown in logs and errors
     address: str  # host:port to health-check
     command: tuple[str, ...]  # the full command line
+    env: tuple[tuple[str, str], ...] = ()  # extra environment of this child
 
 
 def pdserve_command(*argv: str) -> tuple[str, ...]:
@@ -129,7 +132,16 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
         "--http-port", str(args.http_port),
         "--prefill", ",".join(w.address for w in workers if w.name.startswith("prefill")),
         "--decode", ",".join(w.address for w in workers if w.name.startswith("decode"))))
+    if args.metrics_port_base:
+        workers, gateway = _with_metrics_ports([*workers, gateway], args.metrics_port_base)
     return workers, gateway
+
+
+def _with_metrics_ports(specs: list[ChildSpec], base: int) -> tuple[list[ChildSpec], ChildSpec]:
+    """One PDSERVE_METRICS_PORT per child, consecutive from `base` (the gateway last)."""
+    numbered = [replace(spec, env=(*spec.env, ("PDSERVE_METRICS_PORT", str(base + i))))
+                for i, spec in enumerate(specs)]
+    return numbered[:-1], numbered[-1]
 
 
 class Supervisor:
@@ -144,7 +156,7 @@ class Supervisor:
         proc = subprocess.Popen(
             spec.command, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **dict(spec.env)},
             start_new_session=True)  # its own process group: killpg reaches anything it spawns
         child = Child(spec, proc)
         child.forwarder = threading.Thread(target=_forward_output, args=(child,), daemon=True,
@@ -234,8 +246,10 @@ def ready_line(args: argparse.Namespace, workers: Sequence[ChildSpec], gateway: 
     def addrs(kind: str) -> str:
         return ",".join(w.address for w in workers if w.name.startswith(kind))
     http = f"{args.host}:{args.http_port}" if args.http_port else "off"
+    metrics = (f" metrics={args.metrics_port_base}-{args.metrics_port_base + len(workers)}"
+               if args.metrics_port_base else "")
     return (f"pdserve ready: grpc={gateway.address} http={http} "
-            f"prefill=[{addrs('prefill')}] decode=[{addrs('decode')}] kvstore={addrs('kvstore')}")
+            f"prefill=[{addrs('prefill')}] decode=[{addrs('decode')}] kvstore={addrs('kvstore')}{metrics}")
 
 
 def run(args: argparse.Namespace) -> int:
