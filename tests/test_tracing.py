@@ -5,6 +5,8 @@ nothing and installs nothing."""
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import os
 import time
@@ -176,9 +178,14 @@ def test_tracing_off_installs_nothing_and_exports_nothing(monkeypatch: pytest.Mo
         assert not span.is_recording() and not span.get_span_context().is_valid
         # none of the grpc objects pdserve builds carries an interceptor
         from pdserve.grpc_server import grpc_channel
-        channel = grpc_channel("127.0.0.1:1")
-        assert not any(getattr(channel, f"_{kind}_interceptors") for kind in
-                       ("unary_unary", "unary_stream", "stream_unary", "stream_stream"))
+
+        async def interceptor_lists() -> list:
+            # An aio channel belongs to a running loop: build it inside one.
+            async with grpc_channel("127.0.0.1:1") as channel:
+                return [getattr(channel, f"_{kind}_interceptors") for kind in
+                        ("unary_unary", "unary_stream", "stream_unary", "stream_stream")]
+
+        assert not any(asyncio.run(interceptor_lists()))
         monkeypatch.setenv(telemetry.TRACES_ENV, "none")
         telemetry.reset_for_tests()
         assert not telemetry.enabled()
