@@ -116,11 +116,11 @@ async def _close_owned(server: grpc.aio.Server) -> None:
 def load_model_info(model_path: str | None, block_size: int, kv_dtype: str) -> ModelInfo:
     """The gateway's view of the model: tokenizer, context window, fingerprint."""
     from gateway.flow import ModelInfo
-    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+    from pdserve.runtime.loader import inspect_checkpoint, resolve_model_path
 
-    checkpoint = load_checkpoint(resolve_model_path(model_path))
-    return ModelInfo(checkpoint.tokenizer, checkpoint.config.max_position_embeddings,
-                     checkpoint.fingerprint, block_size, kv_dtype)
+    info = inspect_checkpoint(resolve_model_path(model_path))  # the gateway never reads weights
+    return ModelInfo(info.tokenizer, info.config.max_position_embeddings, info.fingerprint,
+                     block_size, kv_dtype)
 
 
 async def _start_pool(kind: str, targets: Sequence[str] | str) -> WorkerPool:

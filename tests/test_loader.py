@@ -219,6 +219,17 @@ def test_hf_directory_matches_transformers(tmp_path: Path, hf_tokenizer_dir: Pat
     assert len(ck.fingerprint) == 32
 
 
+def test_inspect_checkpoint_agrees_with_load_without_weights(stories: Checkpoint, tmp_path: Path,
+                                                            hf_tokenizer_dir: Path) -> None:
+    d, _ = make_hf_dir(tmp_path, "llama", False, hf_tokenizer_dir, max_shard_size="100KB")
+    for path, loaded in ((stories.source, stories), (d, load_checkpoint(d))):
+        info = loader.inspect_checkpoint(path)
+        assert (info.config, info.fingerprint, info.source) == (loaded.config, loaded.fingerprint, loaded.source)
+        assert info.tokenizer.encode("Once upon a time") == loaded.tokenizer.encode("Once upon a time")
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        loader.inspect_checkpoint(tmp_path / "missing.gguf")
+
+
 def test_hf_sharded_directory(tmp_path: Path, hf_tokenizer_dir: Path) -> None:
     d, model = make_hf_dir(tmp_path, "llama", False, hf_tokenizer_dir, max_shard_size="100KB")
     assert (d / "model.safetensors.index.json").exists() and len(list(d.glob("*.safetensors"))) > 1

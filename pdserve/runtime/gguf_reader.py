@@ -31,15 +31,25 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.wei
 
 
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer, list[Path]]:
+    reader, config, tokenizer = _read_header(path)
+    weights = read_weights(path, reader, config, dtype)
+    return config, weights, tokenizer, [path]
+
+
+def read_gguf_meta(path: Path) -> tuple[ModelConfig, GGUFTokenizer, list[Path]]:
+    """Config, tokenizer and the file itself, without reading any tensor."""
+    _, config, tokenizer = _read_header(path)
+    return config, tokenizer, [path]
+
+
+def _read_header(path: Path) -> tuple[GGUFReader, ModelConfig, GGUFTokenizer]:
     reader = _open(path)
     meta = _Metadata(path, reader)
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
     tokenizer = read_tokenizer(meta)
-    config = read_config(meta, reader, tokenizer)
-    weights = read_weights(path, reader, config, dtype)
-    return config, weights, tokenizer, [path]
+    return reader, read_config(meta, reader, tokenizer), tokenizer
 
 
 def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:

@@ -25,19 +25,25 @@ GGUF_TOKENIZER_FILE = "tokenizer.gguf"
 
 
 def read_hf_directory(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], HFTokenizer, list[Path]]:
-    config = read_config(path / "config.json")
-    files = weight_files(path)
+    config, tokenizer, files = read_hf_meta(path)
     weights = read_weights(files, config, dtype)
     weights |= _read_quantized(path, files, config, dtype)
+    return config, weights, tokenizer, files
+
+
+def read_hf_meta(path: Path) -> tuple[ModelConfig, HFTokenizer, list[Path]]:
+    """Config, tokenizer and weight files of a directory, without reading any weights."""
+    config = read_config(path / "config.json")
+    files = weight_files(path)
     if (path / GGUF_TOKENIZER_FILE).exists() and not (path / "tokenizer_config.json").exists():
         from pdserve.runtime.gguf_reader import load_gguf_tokenizer
 
-        return config, weights, load_gguf_tokenizer(path / GGUF_TOKENIZER_FILE), files
+        return config, load_gguf_tokenizer(path / GGUF_TOKENIZER_FILE), files
     try:
         tokenizer = HFTokenizer.from_directory(path, config.eos_token_ids)
     except Exception as e:  # transformers raises OSError/ValueError/... for missing or bad files
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})".splitlines()[0]) from e
-    return config, weights, tokenizer, files
+    return config, tokenizer, files
 
 
 def _read_quantized(path: Path, files: list[Path], config: ModelConfig, dtype: torch.dtype) -> dict:

@@ -55,6 +55,29 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.flo
                       fingerprint=fingerprint(config, files), source=source.resolve())
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a process that never runs the model needs (the gateway): no weights are read."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str  # the same value `load_checkpoint` gives for the same files
+    source: Path
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Config, tokenizer and fingerprint of a GGUF file or an HF directory, weights unread."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise ModelLoadError(f"{source}: no such file or directory")
+    if source.is_dir():
+        from pdserve.runtime.hf_reader import read_hf_meta as read
+    else:
+        from pdserve.runtime.gguf_reader import read_gguf_meta as read
+    config, tokenizer, files = read(source)
+    return CheckpointInfo(config, tokenizer, fingerprint(config, files), source.resolve())
+
+
 def resolve_model_path(flag: str | None) -> Path:
     """The model to serve: the flag, else $PDSERVE_MODEL, else the bundled stories260K."""
     if flag:
