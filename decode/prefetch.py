@@ -14,6 +14,13 @@ Every prefetched block is counted once in pdserve_prefetch_blocks_total{signal, 
 hit (a Decode used it), late (a Decode needed it while it was still on its way), wasted (evicted,
 dropped or aged out before any Decode used it).
 
+Where each block a Decode needs came from is counted in pdserve_decode_blocks_total{source}:
+resident (in the paged cache already, not brought by a prefetch), session / hot (put in the
+paged cache by that prefetch signal), dispatch (staged by the dispatch hint), late (a prefetch
+was still on its way), fetched (fetched on demand), missing (the kvstore lacked it: recomputed).
+The hit rate "blocks already here when Decode arrived" is (resident + session + hot + dispatch)
+over all of them.
+
 Picking up prefill's blocks as they are written (before Prefill returns) is not done: prefill
 puts the prompt's blocks in one stream after its last chunk, so there is nothing to pick up
 early; Decode fetches them in one GetBlocks right after.
@@ -28,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+from prometheus_client import Counter
 
 from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.runtime.kv_transfer import import_cached_blocks
@@ -38,6 +46,10 @@ log = logging.getLogger(__name__)
 
 SIGNALS = ("dispatch", "session", "hot")
 STAGED_TTL_S = 60.0  # a staged block no Decode claimed by then is dropped (wasted)
+SOURCES = ("resident", *SIGNALS, "late", "fetched", "missing")
+DECODE_BLOCKS = Counter("pdserve_decode_blocks_total",
+                        "KV blocks Decode requests needed, by where each one was when the Decode arrived",
+                        ["source"])
 
 
 class BlockPrefetcher:
@@ -52,6 +64,7 @@ class BlockPrefetcher:
         self._promoted: dict[bytes, str] = {}  # session/hot blocks put in the paged cache, not used yet
         self.hits = 0  # blocks a Decode found prefetched (any signal)
         self.rejected = 0  # blocks that failed their wire checks
+        self.sources = dict.fromkeys(SOURCES, 0)  # pdserve_decode_blocks_total, also kept here
 
     def is_local(self, h: bytes) -> bool:
         return self.worker.engine.block_manager.lookup(h) is not None
@@ -70,24 +83,38 @@ class BlockPrefetcher:
 
     async def gather(self, request_id: str, hashes: Sequence[bytes]) -> dict[bytes, torch.Tensor]:
         """The decoded blocks among `hashes` that are not in the paged cache already."""
+        source: dict[bytes, str] = {}
         for h in hashes:
-            self._claim_promoted(h)
-        needed = [h for h in hashes if not self.is_local(h)]
+            signal = self._claim_promoted(h)
+            if self.is_local(h):
+                source[h] = signal or "resident"
+        needed = [h for h in hashes if h not in source]
         found: dict[bytes, torch.Tensor] = {}
         for h in needed:
             if h in self._inflight:
                 signal, task = self._inflight[h]
                 PREFETCH_BLOCKS.labels(signal=signal, outcome="late").inc()
+                source[h] = "late"
                 await asyncio.shield(task)
                 self._claim_promoted(h)
             if h in self._staged:
                 found[h] = self._staged.pop(h)[0]
                 self.hits += 1
+                source.setdefault(h, "dispatch")
                 PREFETCH_BLOCKS.labels(signal="dispatch", outcome="hit").inc()
         missing = [h for h in needed if h not in found and not self.is_local(h)]
         if missing:
-            found.update(await self._fetch(missing, request_id))
+            fetched = await self._fetch(missing, request_id)
+            found.update(fetched)
+            for h in missing:
+                source.setdefault(h, "fetched" if h in fetched else "missing")
+        for h in hashes:
+            self._count(source.get(h, "late"))
         return found
+
+    def _count(self, source: str) -> None:
+        self.sources[source] += 1
+        DECODE_BLOCKS.labels(source=source).inc()
 
     def evicted(self, hashes: Iterable[bytes]) -> None:
         """Blocks that left the paged cache: promoted ones nobody used were wasted."""
@@ -96,11 +123,14 @@ class BlockPrefetcher:
             if signal is not None:
                 PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc()
 
-    def _claim_promoted(self, h: bytes) -> None:
+    def _claim_promoted(self, h: bytes) -> str | None:
+        """The signal that put `h` in the paged cache, if it is still there (counted as a hit)."""
         signal = self._promoted.pop(h, None)
         if signal is not None and self.is_local(h):
             self.hits += 1
             PREFETCH_BLOCKS.labels(signal=signal, outcome="hit").inc()
+            return signal
+        return None
 
     async def _fetch_and_place(self, hashes: list[bytes], signal: str) -> None:
         try:

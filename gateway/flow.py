@@ -29,7 +29,8 @@ decode worker failed) is ended in the background.
 
 Requests with a session_id feed `sessions.SessionTracker`; a background task (started with the
 first such request) sends each session's blocks to its decode worker shortly before its next
-turn is predicted (PDSERVE_SESSION_PREFETCH=0 turns it off, PDSERVE_HOT_PREFIX_MIN sets how many
+turn is predicted (PDSERVE_SESSION_PREFETCH=0 turns the prefetch off; the session's decode worker
+is still preferred), PDSERVE_HOT_PREFIX_MIN sets how many
 requests within a minute make a prefix hot, 0 = off).
 """
 
@@ -98,8 +99,10 @@ class RequestFlow:
         self.decode_pool = decode
         self.kvstore = kvstore
         self.limit = limit
-        prefetch_sessions = os.environ.get("PDSERVE_SESSION_PREFETCH", "1") != "0"
-        self.sessions = sessions or (SessionTracker() if prefetch_sessions else None)
+        # The tracker also routes a session back to its last decode worker: it exists with the
+        # session prefetch off too, so that turning prefetch off changes nothing else.
+        self.session_prefetch = os.environ.get("PDSERVE_SESSION_PREFETCH", "1") != "0"
+        self.sessions = sessions or SessionTracker()
         hot_min = int(os.environ.get("PDSERVE_HOT_PREFIX_MIN", "4"))
         self.hot = hot or (HotPrefixes(min_requests=hot_min) if hot_min > 0 else None)
         self._session_task: asyncio.Task | None = None
@@ -174,7 +177,7 @@ class RequestFlow:
     def _session_arrival(self, session_id: str) -> str:
         if not session_id or self.sessions is None:
             return ""
-        if self._session_task is None or self._session_task.done():
+        if self.session_prefetch and (self._session_task is None or self._session_task.done()):
             self._session_task = spawn(self._prefetch_sessions_forever(), name="session-prefetch")
         return self.sessions.arrival(session_id)
 

@@ -189,3 +189,34 @@ def test_session_prefetch_lands_in_the_paged_cache(engine) -> None:
             p.prefetch(chain, "psychic")
 
     asyncio.run(scenario())
+
+
+def test_gather_counts_where_each_needed_block_was(engine) -> None:
+    """The decode hit rate's inputs: resident, brought by a signal, late, fetched, missing."""
+    async def scenario() -> None:
+        chain, data = _chain_blocks(engine, list(range(200, 200 + 96)))  # 6 blocks
+        p = BlockPrefetcher(_worker(engine, FakeKV({h: d for h, d in data.items() if h != chain[5]})))
+        p.prefetch(chain[:2], "session")
+        await asyncio.sleep(0.05)
+        p._promoted.pop(chain[0])  # as if it had been in the paged cache all along
+        p.prefetch([chain[2]])  # dispatch: staged
+        await asyncio.sleep(0.05)
+        p.worker.kv.delay_s = 0.05
+        p.prefetch([chain[3]])  # still on its way when Decode comes
+        await p.gather("r", chain)
+        assert p.sources == {"resident": 1, "session": 1, "hot": 0, "dispatch": 1, "late": 1,
+                             "fetched": 1, "missing": 1}
+
+    asyncio.run(scenario())
+
+
+def test_session_prefetch_off_keeps_session_routing(monkeypatch) -> None:
+    from gateway.flow import RequestFlow
+
+    monkeypatch.setenv("PDSERVE_SESSION_PREFETCH", "0")
+    flow = RequestFlow(SimpleNamespace(), None, None, None, None, hot=HotPrefixes())
+    assert flow.sessions is not None and not flow.session_prefetch
+    flow.sessions.arrival("s")
+    flow.sessions.finished("s", "decode-1:5", [b"h"])
+    assert flow._session_arrival("s") == "decode-1:5"  # the next turn goes back to its worker
+    assert flow._session_task is None  # but nothing is prefetched

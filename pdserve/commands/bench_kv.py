@@ -5,9 +5,13 @@ Scenarios (`--scenario`, default all):
                  Llama (hidden 512, 8 layers) that the benchmark builds and saves as an HF
                  directory in a temp folder; TTFT P50/P99 with caching on (shared prefix) vs off
                  (the same prompts made unshareable by a distinct first token).
-  sessions       multi-turn sessions whose KV is larger than the kvstore's memory tier (Redis
-                 behind it); prefix hit rate (cached / prompt tokens) and TTFT P99 with session
-                 prefetch on vs off (stories260K, the bundled model).
+  sessions       multi-turn sessions (each turn's prompt: the previous prompt, its answer and a new
+                 line) whose KV is larger than the workers' paged caches (--worker-blocks) and the
+                 kvstore's memory tier (--memory-mb), with Redis holding the rest; with session
+                 prefetch off vs on (same seed): the decode hit rate (of the blocks each Decode
+                 needed, the fraction already on its worker when it arrived: resident in the paged
+                 cache or brought by a prefetch; from the decode workers' pdserve_decode_blocks_total)
+                 and TTFT P50/P99 of the turns after the first (stories260K, the bundled model).
   transfer       MB/s of KV blocks (64 KiB of KV per token, 16-token blocks) prefill -> kvstore
                  -> decode through the kvstore's gRPC API, vs raw pipelined Redis SET/GET of the
                  same bytes, in the same run.
@@ -44,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=4, help="sessions: turns per conversation")
     p.add_argument("--think-s", type=float, default=1.0, help="sessions: mean think time between turns")
     p.add_argument("--memory-mb", type=float, default=4.0, help="sessions: the kvstore's memory tier")
+    p.add_argument("--worker-blocks", type=int, default=32,
+                   help="sessions: KV blocks in each worker's paged cache (pdserve up --num-blocks)")
+    p.add_argument("--answer-tokens", type=int, default=48, help="sessions: tokens generated per turn")
     p.add_argument("--transfer-mb", type=float, default=256, help="transfer: KV bytes moved per arm")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "/usr/bin/redis-server")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -199,48 +206,103 @@ def bench_sessions(args: argparse.Namespace) -> dict:
     try:
         arms = {}
         for arm, prefetch in (("prefetch_off", "0"), ("prefetch_on", "1")):
-            arms[arm] = with_env({"PDSERVE_KV_BACKEND": redis_proc.url, "PDSERVE_SESSION_PREFETCH": prefetch},
-                                 lambda: _run_sessions(args))
+            arms[arm] = with_env({"PDSERVE_SESSION_PREFETCH": prefetch}, lambda: _run_sessions(args, redis_proc.url))
             import redis
             redis.Redis(port=redis_proc.port).flushall()
     finally:
         redis_proc.stop()
-    return {"model": "stories260K", "sessions": args.sessions, "turns": args.turns,
-            "memory_tier_mb": args.memory_mb, **arms}
+    return {"model": "stories260K", "sessions": args.sessions, "turns": args.turns, "think_s": args.think_s,
+            "worker_blocks": args.worker_blocks, "memory_tier_mb": args.memory_mb, "kv_backend": "redis", **arms}
 
 
-def _run_sessions(args: argparse.Namespace) -> dict:
+def scrape_counter(port: int, name: str) -> dict[str, float]:
+    """{label value: count} of a one-label counter on a child's /metrics."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(rf'^{name}_total{{\w+="([^"]*)"}} ([0-9.e+]+)$', text, re.M)}
+
+
+def _free_port_run(n: int) -> int:
+    """A base port with `n` free consecutive ports after it (best effort)."""
+    from pdserve.commands.up import free_port, port_in_use
+
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65536 and all(port_in_use("127.0.0.1", base + i) is None for i in range(n)):
+            return base
+    raise RuntimeError("no run of free ports for the children's /metrics")
+
+
+def _run_sessions(args: argparse.Namespace, redis_url: str) -> dict:
     import concurrent.futures as cf
 
+    from gateway.prompts import tokenize_prompt
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
     from pdserve.stack import start_stack
 
-    stack = start_stack(1, 2, "--kvstore-capacity-mb", str(args.memory_mb), "--threads", str(args.threads))
+    tok = load_checkpoint(resolve_model_path(None)).tokenizer
+    bs = 16
+    metrics_base = _free_port_run(5)  # kvstore, prefill-0, decode-0, decode-1, gateway
+    stack = start_stack(1, 2, "--kvstore-capacity-mb", str(args.memory_mb), "--threads", str(args.threads),
+                        "--num-blocks", str(args.worker_blocks), "--kv-backend", redis_url,
+                        "--block-size", str(bs), "--metrics-port-base", str(metrics_base))
+    decode_ports = [metrics_base + i for i, c in enumerate(stack.workers) if c.spec.name.startswith("decode")]
     try:
         stub = stack.gateway_stub()
         timed_generate(stub, "warm up", 2)
+        before = [scrape_counter(p, "pdserve_decode_blocks") for p in decode_ports]
         openings = ["Once upon a time", "The little dog", "Lily and Tom", "A big red boat", "The sun was hot"]
+        lines = ["and then they played.", "Tom said hello.", "The cat ran away.", "They were happy."]
 
         def conversation(i: int) -> list[dict]:
             r = random.Random(args.seed * 1000 + i)
+            time.sleep(r.uniform(0, args.think_s))  # sessions start spread out
             text = f"{openings[i % len(openings)]} number {i} went to the park."
+            prev_chain: list[int] = []  # the previous turn's prompt + answer (what its decode worker held)
             turns = []
             for t in range(args.turns):
-                out = timed_generate(stub, text, 48, session_id=f"s{i}")
+                ids = tokenize_prompt(tok, text)
+                out = timed_generate(stub, text, args.answer_tokens, session_id=f"s{i}")
+                common = next((k for k, (a, b) in enumerate(zip(ids, prev_chain)) if a != b),
+                              min(len(ids), len(prev_chain)))
+                out.update(turn=t, prompt_blocks=len(ids) // bs, reusable_blocks=common // bs)
                 turns.append(out)
-                text = text + f" turn {t} " + "and then they played."
+                prev_chain = ids + out["tokens"][:-1]
+                # The next turn: this prompt, its answer, and a new line (a chat's history).
+                # Decoded with the history: the answer alone would lose its leading space, and
+                # the next prompt would then diverge from this chain right at the answer.
+                text = tok.decode(prev_chain + out["tokens"][-1:]) + " " + r.choice(lines)
                 time.sleep(r.expovariate(1 / args.think_s))
             return turns
 
         start = time.perf_counter()
         with cf.ThreadPoolExecutor(args.sessions) as pool:
             runs = [t for conv in pool.map(conversation, range(args.sessions)) for t in conv]
-        later = [r for i, r in enumerate(runs) if i % args.turns]  # turns after the first
+        seconds = time.perf_counter() - start
+        time.sleep(0.2)
+        after = [scrape_counter(p, "pdserve_decode_blocks") for p in decode_ports]
+        src: dict[str, float] = {}
+        for b, a in zip(before, after):
+            for k, v in a.items():
+                src[k] = src.get(k, 0) + v - b.get(k, 0)
+        needed = sum(src.values())
+        there = sum(src.get(k, 0) for k in ("resident", "session", "hot", "dispatch"))
+        later = [r for r in runs if r["turn"] > 0]
         ttfts = [r["ttft_s"] for r in later]
         stats = stack.kvstore_stats()
-        return {"seconds": round(time.perf_counter() - start, 2), "requests": len(runs),
-                "hit_rate": round(sum(r["cached_tokens"] for r in later) / max(sum(r["prompt_tokens"] for r in later), 1), 3),
+        return {"seconds": round(seconds, 2), "requests": len(runs),
+                "hit_rate": round(there / max(needed, 1), 3),
+                "hit_rate_reusable": round(there / max(sum(r["reusable_blocks"] for r in later), 1), 3),
                 "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
                 "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                "decode_blocks": int(needed),
+                **{f"blocks_{k}": int(src.get(k, 0)) for k in ("resident", "session", "dispatch", "late",
+                                                                "fetched", "missing")},
+                "reusable_blocks": sum(r["reusable_blocks"] for r in later),
+                "prefill_cached_frac": round(sum(r["cached_tokens"] for r in later)
+                                             / max(sum(r["prompt_tokens"] for r in later), 1), 3),
                 "kvstore_evictions": stats.evictions, "redis_hits": stats.backend_hits}
     finally:
         stack.stop()
