@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.commands.output import write_json
+
 NAME = "bench"
 HELP = "benchmark a running gateway: throughput, TTFT/TPOT/ITL/e2e percentiles, goodput, vs transformers"
 
@@ -91,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import asyncio
-    import json
 
     from pdserve.bench import arrivals, report, workloads
     from pdserve.bench.client import GrpcGateway, RunResult, run_workload
@@ -167,12 +168,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         data = {"config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                 "runs": summaries, "baseline": base_summary}
-        text = json.dumps(_jsonable(data), indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(args.json, _jsonable(data))
     if args.plot:
         from pdserve.bench.plot import plot
 

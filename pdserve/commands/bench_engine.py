@@ -5,11 +5,11 @@ JSON with --json."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
+
+from pdserve.commands.output import write_json
 
 NAME = "bench-engine"
 HELP = "benchmark the in-process engine against transformers generate() on the same requests"
@@ -110,15 +110,7 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_transformers(model, work, args.hf_batch_size))
     data = report(results, work, args)
     if args.json:
-        text = json.dumps(data, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(args.json, data)
     engine.check_leaks()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run(argparse.Namespace()))

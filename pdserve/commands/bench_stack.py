@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+
+from pdserve.commands.output import write_json
 
 NAME = "bench-stack"
 HELP = "benchmark the disaggregated stack against the in-process engine on the same workload"
@@ -184,6 +185,5 @@ def report(runs: list[StackRun], kv_per_request: float, cpu: dict[str, float], a
           f"KV moved per request: {data['kv_bytes_per_request'] / 1024:.1f} KiB")
     print("CPU seconds during the disaggregated run: " + ", ".join(f"{n} {t:.1f}" for n, t in cpu.items()))
     if args.json:
-        text = json.dumps(data, indent=2)
-        print(text) if args.json == "-" else open(args.json, "w").write(text + "\n")
+        write_json(args.json, data)
     return 0

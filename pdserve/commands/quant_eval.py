@@ -14,10 +14,11 @@ quantized in memory and run through our runtime's real forward (QuantLinear on t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+from pdserve.commands.output import write_json
 
 NAME = "quant-eval"
 HELP = "accuracy (KL, top-1, perplexity), weight/KV bytes and tokens/s of INT8/INT4 formats vs FP32"
@@ -233,11 +234,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print_table(results)
     if args.json:
-        text = json.dumps({"model": str(checkpoint.source), "prompts": len(PROMPTS),
-                           "continuation": CONTINUATION, "formats": [asdict(r) for r in results]}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(args.json, {"model": str(checkpoint.source), "prompts": len(PROMPTS),
+                               "continuation": CONTINUATION, "formats": [asdict(r) for r in results]})
     return 0
