@@ -22,6 +22,10 @@ COMMAND_MODULES = (
     "quant_eval",
     "bench_kv",
     "bench",
+    "bench_overload",
+    "bench_disagg",
+    "soak",
+    "experiment",
 )
 
 
