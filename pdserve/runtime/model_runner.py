@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.runtime.attention import AttentionMetadata, PrefillSpan
+from pdserve.runtime.cuda_graph import CudaGraphDecodeRunner, DecodeBatch
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -15,9 +16,24 @@ class ModelRunner:
         self.kv_cache = kv_cache  # [num_blocks, layers, 2, block_size, KVH, D]
         self.block_size = block_size
         self.device = device
+        self.graphs: CudaGraphDecodeRunner | None = None  # set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, max_batch: int, max_blocks_per_seq: int) -> bool:
+        """Capture decode steps up to `max_batch` sequences (see cuda_graph); False, and steps
+        stay eager, when the device or the kernels cannot replay graphs."""
+        from pdserve.runtime.kernels import torch_ops
+
+        if not str(self.device).startswith("cuda") or self.model.kernels is torch_ops:
+            return False
+        runner = CudaGraphDecodeRunner(self.model, self.kv_cache, max_batch, max_blocks_per_seq)
+        runner.capture()
+        self.graphs = runner
+        return True
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs one step; returns logits [S, V] for the scheduled sequences that sample."""
+        if self.graphs is not None and out.decodes and not out.prefills and self.graphs.fits(len(out.decodes)):
+            return self.graphs.run(self._decode_batch(out.decodes))  # every decode row samples
         input_ids, positions, meta, sample_rows = self._prepare(out)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)  # [N, D]
         return self.model.compute_logits(hidden[sample_rows])
@@ -42,6 +58,16 @@ class ModelRunner:
             prefills=self._prefill_spans(out),
         )
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
+
+    def _decode_batch(self, decodes: list[ScheduledSeq]) -> DecodeBatch:
+        """The step's decode rows on the host, for the graph runner's static buffers."""
+        starts = [s.seq.num_computed_tokens for s in decodes]
+        return DecodeBatch(
+            token_ids=[s.seq.token_ids[p] for s, p in zip(decodes, starts)],
+            positions=starts,
+            slots=[self._slots(s, p)[0] for s, p in zip(decodes, starts)],
+            block_tables=[list(s.seq.block_table) for s in decodes],
+            context_lens=[p + 1 for p in starts])
 
     def _slots(self, s: ScheduledSeq, start: int) -> list[int]:
         bs, table = self.block_size, s.seq.block_table
