@@ -2,8 +2,10 @@
 
     GenerationRequest (service.py made it from the proto: text or chat messages, SamplingParams)
      1. tokenize: the prompt, or the chat rendered by the model's template     -> prompt_ids
-     2. validate: prompt not empty, prompt + max_tokens within the context window
-                  (SamplingParams validated its own fields already)             INVALID_ARGUMENT
+     2. validate: prompt not empty, prompt + max_tokens within the context window, the
+                  gateway's request limits (request_limits.RequestLimits: max_tokens, stop
+                  strings, messages, prompt tokens; SamplingParams validated its own fields
+                  already)                                                      INVALID_ARGUMENT
      3. admit: the gateway's bounded in-flight count (limits.InflightLimit)      RESOURCE_EXHAUSTED
      4. hash the prompt's full blocks (block_hash.prompt_block_hashes)          -> hashes
      5. ask the kvstore how many leading blocks it holds and which decode worker holds how many
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -50,9 +53,12 @@ from gateway.background import spawn
 from gateway.limits import InflightLimit
 from gateway.metrics import PREFIX_CACHE_HIT_TOKENS, PROMPT_TOKENS
 from gateway.output import OutputAssembler, OutputChunk
+from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
 from gateway.prompts import check_fits, tokenize_chat, tokenize_prompt
+from gateway.request_limits import RequestLimits
 from gateway.sessions import HotPrefixes, SessionTracker
-from gateway.worker_calls import PrefillResult
+from gateway.resume import StreamProgress
+from gateway.worker_calls import DecodedTokens, PrefillResult
 from gateway.workers import WorkerEndpoint, WorkerPool
 from kvstore.client import KVStoreClient
 from pdserve.grpc_server import ServiceError
@@ -93,8 +99,12 @@ class RequestFlow:
 
     def __init__(self, model: ModelInfo, prefill: WorkerPool, decode: WorkerPool,
                  kvstore: KVStoreClient | None, limit: InflightLimit,
-                 sessions: SessionTracker | None = None, hot: HotPrefixes | None = None) -> None:
+                 sessions: SessionTracker | None = None, hot: HotPrefixes | None = None,
+                 placement: PrefillPlacement | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.model = model
+        self.placement = placement or AlwaysRemote()
+        self.limits = limits or RequestLimits()
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.kvstore = kvstore
@@ -110,11 +120,13 @@ class RequestFlow:
     def tokenize(self, request: GenerationRequest) -> list[int]:
         """Steps 1-2: validated prompt ids; ValueError with an actionable message."""
         tok = self.model.tokenizer
+        self.limits.check_request(request)
         if request.messages is None:
             ids = tokenize_prompt(tok, request.prompt)
         else:
             ids = tokenize_chat(tok, request.messages)
         check_fits(ids, request.sampling, self.model.context_window)
+        self.limits.check_tokens(ids, request.sampling)
         return ids
 
     async def run(self, request: GenerationRequest, time_remaining: TimeRemaining
@@ -135,31 +147,60 @@ class RequestFlow:
         blocks_needed = -(-(len(prompt_ids) + sampling.max_tokens) // m.block_size)
         # Before prefill: no point computing KV nobody can decode.
         hinted = self.decode_pool.pick_decode(blocks_needed, resident, session_home)
-        generated: list[int] = []
+        progress = StreamProgress(prompt_ids, sampling)
+        out: OutputAssembler | None = None
         try:
+            placement = self._place(len(prompt_ids), cached_blocks, hinted)
             with hinted.track():  # counted from the pick so that concurrent requests spread out
                 worker_calls.send_prepare(hinted, rid, hashes)
                 self._send_hot(hashes, resident)
-                result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
-            PROMPT_TOKENS.inc(result.prompt_tokens)
-            PREFIX_CACHE_HIT_TOKENS.inc(result.cached_tokens)
-            out = OutputAssembler(m.tokenizer, prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
-            first_lp = (result.first_logprob,) if result.first_logprob else ()
-            generated.append(result.first_token)
-            yield out.add((result.first_token,), first_lp, result.finish_reason)
-            if out.finished:
-                self._end_lease(rid)  # no decode worker will ever own this request's blocks
-                self._session_end(request.session_id, "", prompt_ids, generated)
-                return
+                result = None
+                if placement == "remote":
+                    result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
+            if result is not None:
+                out = self._assembler(prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
+                first_lp = (result.first_logprob,) if result.first_logprob else ()
+                progress.generated.append(result.first_token)
+                yield out.add((result.first_token,), first_lp, result.finish_reason)
+                if out.finished:
+                    self._end_lease(rid)  # no decode worker will ever own this request's blocks
+                    self._session_end(request.session_id, "", prompt_ids, progress.generated)
+                    return
             decode_ep = hinted if hinted.healthy else self.decode_pool.pick_decode(blocks_needed, resident)
-            async for chunk in self._decode(decode_ep, rid, prompt_ids, result, sampling, out, time_remaining):
-                generated.extend(chunk.token_ids)
-                if chunk.finish_reason:
-                    self._session_end(request.session_id, decode_ep.address, prompt_ids, generated)
-                yield chunk
+            parts = self._decode(decode_ep, rid, progress, result, blocks_needed, time_remaining)
+            async with aclosing(parts):
+                async for part in parts:
+                    if out is None:  # prefilled by the decode worker: its first chunk says what it reused
+                        out = self._assembler(prompt_ids, sampling, len(prompt_ids), part.cached_tokens)
+                    progress.generated.extend(part.token_ids)
+                    chunk = out.add(part.token_ids, part.logprobs, part.finish_reason)
+                    if chunk.finish_reason:
+                        self._session_end(request.session_id, progress.worker, prompt_ids, progress.generated)
+                    yield chunk
+                    if out.finished:
+                        return  # a stop string (closing `parts` cancels the call), or the last chunk
+            if out is not None and progress.resume_point() is None:  # every token came, the reason did not
+                yield out.add((), (), "length")
+                return
+            raise ServiceError(grpc.StatusCode.INTERNAL, f"decode worker {progress.worker} ended the stream"
+                                                         f" of {rid} without a finish reason")
         except ServiceError:
             self._end_lease(rid)  # a failed worker may have left the request's blocks pinned
             raise
+
+    def _assembler(self, prompt_ids: list[int], sampling: SamplingParams, prompt_tokens: int,
+                   cached_tokens: int) -> OutputAssembler:
+        PROMPT_TOKENS.inc(prompt_tokens)
+        PREFIX_CACHE_HIT_TOKENS.inc(cached_tokens)
+        return OutputAssembler(self.model.tokenizer, prompt_ids, sampling, prompt_tokens, cached_tokens)
+
+    def _place(self, prompt_tokens: int, cached_blocks: int, decode_ep: WorkerEndpoint) -> Placement:
+        """Step 7a: prefill on a prefill worker (remote) or on the decode worker (local)."""
+        healthy = [ep for ep in self.prefill_pool.endpoints if ep.healthy]
+        return self.placement.place(PlacementInputs(
+            prompt_tokens=prompt_tokens, cached_tokens=min(cached_blocks * self.model.block_size, prompt_tokens),
+            prefill_inflight=sum(ep.inflight for ep in healthy), prefill_healthy=len(healthy),
+            decode_running=decode_ep.running, decode_inflight=decode_ep.inflight))
 
     async def _lookup(self, hashes: Sequence[bytes]) -> tuple[int, dict[str, int]]:
         """(leading blocks the kvstore holds, {decode worker id: leading blocks resident there});
@@ -212,43 +253,82 @@ class RequestFlow:
             worker_calls.send_prepare(by_id[worker_id], f"hot-{chain[-1].hex()[:12]}", chain, "hot")
 
     async def _prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                       cached_blocks: int, time_remaining: TimeRemaining) -> PrefillResult:
-        """Step 7: Prefill, retried once on another worker when the first is UNAVAILABLE."""
+                       cached_blocks: int, time_remaining: TimeRemaining) -> PrefillResult | None:
+        """Step 7: Prefill, retried once on another worker when the first is UNAVAILABLE; None
+        when no prefill worker is left to try (the decode worker then prefills locally)."""
         failed: list[WorkerEndpoint] = []
-        while True:
-            ep = self.prefill_pool.pick(exclude=failed)  # UNAVAILABLE when none is left
+        while len(failed) < 2:
+            try:
+                ep = self.prefill_pool.pick(exclude=failed)
+            except ServiceError as err:
+                log.info("%s: no prefill worker to try (%s); prefilling on the decode worker", rid, err)
+                return None
             observe.mark_dispatched()  # queue time ends here (a no-op outside a request)
             try:
+                start = time.perf_counter()
                 with ep.track():
-                    return await worker_calls.prefill(ep, rid, prompt_ids, sampling, cached_blocks,
-                                                      _timeout(time_remaining))
+                    result = await worker_calls.prefill(ep, rid, prompt_ids, sampling, cached_blocks,
+                                                        _timeout(time_remaining))
+                self._observe_prefill(result, time.perf_counter() - start)
+                return result
             except ServiceError as err:
                 if err.code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.prefill_pool.mark_down(ep, str(err))
                 failed.append(ep)
-                if len(failed) > 1:
-                    raise
+        log.warning("%s: prefill failed on %s; prefilling on the decode worker", rid,
+                    ", ".join(ep.address for ep in failed))
+        return None
 
-    async def _decode(self, ep: WorkerEndpoint, rid: str, prompt_ids: list[int], result: PrefillResult,
-                      sampling: SamplingParams, out: OutputAssembler, time_remaining: TimeRemaining
-                      ) -> AsyncIterator[OutputChunk]:
-        """Step 9: stream Decode; returning early closes the stream, which cancels the call."""
-        with ep.track():
-            stream = worker_calls.decode(ep, rid, prompt_ids, result.first_token, result.block_hashes,
-                                         sampling, _timeout(time_remaining))
+    def _observe_prefill(self, result: PrefillResult, seconds: float) -> None:
+        """Report a remote prefill's time to a placement policy that learns from it."""
+        observe_prefill = getattr(self.placement, "observe_prefill", None)
+        if observe_prefill is not None:
+            observe_prefill(result.prompt_tokens - result.cached_tokens, seconds)
+
+    async def _decode(self, ep: WorkerEndpoint, rid: str, progress: StreamProgress,
+                      prefilled: PrefillResult | None, blocks_needed: int, time_remaining: TimeRemaining
+                      ) -> AsyncIterator[DecodedTokens]:
+        """Step 9: the decode worker's chunks (from the first token when `prefilled` is None). A worker
+        lost mid-stream (UNAVAILABLE) is replaced by another that resumes where the client is
+        (gateway.resume), at most MAX_RESUMES times; closing this generator cancels the call."""
+        prompt_ids, sampling, resumed = progress.prompt_ids, progress.sampling, 0
+        while True:
+            progress.worker = ep.address
             try:
-                async with aclosing(stream):
-                    async for part in stream:
-                        yield out.add(part.token_ids, part.logprobs, part.finish_reason)
-                        if out.finished:
-                            return  # a stop string, or the worker's last chunk
+                with ep.track():
+                    stream = worker_calls.decode(ep, rid, prompt_ids, sampling, _timeout(time_remaining),
+                                                 prefilled, resumed)
+                    async with aclosing(stream):
+                        async for part in stream:
+                            yield part
+                return
             except ServiceError as err:
-                if err.code == grpc.StatusCode.UNAVAILABLE:
-                    self.decode_pool.mark_down(ep, str(err))
-                raise
-        raise ServiceError(grpc.StatusCode.INTERNAL,
-                           f"decode worker {ep.address} ended the stream of {rid} without a finish reason")
+                if err.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.decode_pool.mark_down(ep, str(err))
+                progress.lost.append(ep.address)
+                point = progress.resume_point()
+                if point is None:
+                    return
+                ep = self._resume_worker(rid, progress, blocks_needed, err)
+                prompt_ids, sampling, resumed, prefilled = point.prompt_ids, point.sampling, point.resumed_tokens, None
+
+    def _resume_worker(self, rid: str, progress: StreamProgress, blocks_needed: int,
+                       err: ServiceError) -> WorkerEndpoint:
+        """The decode worker to resume `rid` on; UNAVAILABLE (naming the failure) when none may."""
+        if not progress.may_resume():
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{rid} lost {len(progress.lost)} decode workers mid-stream"
+                               f" ({', '.join(progress.lost)}); not resuming again: {err}")
+        exclude = [ep for ep in self.decode_pool.endpoints if ep.address in progress.lost]
+        try:
+            ep = self.decode_pool.pick_decode(blocks_needed, {}, exclude=exclude)
+        except ServiceError as pick_err:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{err}; cannot resume: {pick_err}") from None
+        log.warning("resuming %s on decode worker %s after %d tokens: %s", rid, ep.address,
+                    len(progress.generated), err)
+        return ep
 
     def _end_lease(self, rid: str) -> None:
         """Unpin the request's blocks in the kvstore, in the background (they stay cached)."""
