@@ -11,6 +11,12 @@ tracer provider (`pdserve.telemetry`, PDSERVE_TRACES) and the tracing server int
 serves the Prometheus default registry on `PDSERVE_METRICS_PORT` when that is set; `grpc_channel`
 adds the client interceptors that propagate W3C trace context. With tracing off (the default)
 neither carries any interceptor.
+
+Security is installed here for the same reason (docs/security.md): `start_server` serves TLS when
+the process has a certificate (`pdserve.tls`, PDSERVE_TLS_*), and an internal server (not
+`public`) requires client certificates under PDSERVE_TLS_CLIENT_AUTH and the internal token
+(`pdserve.internal_auth`) when one is configured; `grpc_channel` dials TLS and attaches the token
+the same way. The public gateway passes its own interceptors (API keys) and receive limit.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 import os
 import signal
 import weakref
@@ -29,7 +36,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import telemetry
+from pdserve import internal_auth, telemetry, tls
+from pdserve.grpc_decode import DecodeErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +51,13 @@ _health_of: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer
     weakref.WeakKeyDictionary()
 
 
-def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC channel/server options raising both message size limits to `max_message_bytes`."""
+def message_size_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                         max_receive_bytes: int | None = None) -> list[tuple[str, int]]:
+    """gRPC channel/server options setting both message size limits to `max_message_bytes`
+    (the receive limit to `max_receive_bytes` when given: a larger message fails RESOURCE_EXHAUSTED)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
     ]
 
 
@@ -57,28 +67,34 @@ async def start_server(
     service_names: Sequence[str],
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_receive_bytes: int | None = None,
+    public: bool = False,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on `bind` ("host:port"; port 0 picks a free one).
 
     `add_servicers` registers the service's servicers; `service_names` are their full names
     (e.g. "pdserve.v1.KVStore"), marked SERVING in health and listed by reflection.
-    Returns the started server and the port it is bound to.
+    A `public` server (the gateway) checks neither the internal token nor client certificates;
+    `interceptors` run after tracing and the token check. Returns the server and its port.
     """
     telemetry.configure(telemetry.service_label(service_names))
     start_metrics_http()
-    server = grpc.aio.server(options=message_size_options(max_message_bytes),
-                             interceptors=telemetry.server_interceptors() or None)
+    access = [] if public else internal_auth.server_interceptors()
+    server = grpc.aio.server(options=message_size_options(max_message_bytes, max_receive_bytes),
+                             interceptors=[*telemetry.server_interceptors(), *access, *interceptors,
+                                           DecodeErrorInterceptor()])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = _bind(server, bind)
+    port = _bind(server, bind, public)
     await server.start()
     for name in [health.OVERALL_HEALTH, *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _health_of[server] = health_servicer
-    log.info("serving %s on %s (port %d)", ", ".join(service_names), bind, port)
+    log.info("serving %s on %s (port %d%s)", ", ".join(service_names), bind, port, _security_note(public))
     return server, port
 
 
@@ -102,10 +118,20 @@ def start_metrics_http() -> int | None:
     return _metrics_port
 
 
-def _bind(server: grpc.aio.Server, bind: str) -> int:
+def _security_note(public: bool) -> str:
+    config = tls.current()
+    note = "" if not config.serves_tls else ", mutual TLS" if config.client_auth and not public else ", TLS"
+    return note + (", internal token required" if not public and internal_auth.current_token() else "")
+
+
+def _bind(server: grpc.aio.Server, bind: str, public: bool) -> int:
     # Depending on the grpc version a failed bind returns 0 or raises; make both one clear error.
+    config = tls.current()
     try:
-        port = server.add_insecure_port(bind)
+        if config.serves_tls:
+            port = server.add_secure_port(bind, config.server_credentials(public))
+        else:
+            port = server.add_insecure_port(bind)
     except RuntimeError as exc:
         raise OSError(f"cannot bind gRPC server to {bind!r}: {exc}") from exc
     if port == 0:
@@ -139,18 +165,36 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
 
 
 def grpc_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure aio channel to `target` accepting the same message sizes as our servers, which
-    propagates trace context when tracing is on."""
-    return grpc.aio.insecure_channel(target, options=message_size_options(max_message_bytes),
-                                     interceptors=telemetry.client_interceptors() or None)
+    """An aio channel to `target` accepting the same message sizes as our servers, which
+    propagates trace context when tracing is on, dials TLS when the process has a certificate or
+    CA (`pdserve.tls`), and attaches the internal token when one is configured."""
+    config = tls.current()
+    options = [*message_size_options(max_message_bytes), *config.channel_options()]
+    interceptors = [*telemetry.client_interceptors(), *internal_auth.client_interceptors()] or None
+    if config.dials_tls:
+        return grpc.aio.secure_channel(target, config.channel_credentials(), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
 class ServiceError(Exception):
-    """Raise from a servicer to fail the call with a chosen status code and message."""
+    """Raise from a servicer to fail the call with a chosen status code and message.
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    `retry_after_s`: when the client should try again (overload); `abort_on` sends it as the
+    trailing metadata "retry-after" (whole seconds, as HTTP's header) and "grpc-retry-pushback-ms"
+    (what gRPC's own retry policy honours)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
+
+
+def _trailers_of(exc: Exception) -> tuple[tuple[str, str], ...]:
+    after = getattr(exc, "retry_after_s", None)
+    if after is None:
+        return ()
+    return (("retry-after", str(max(1, math.ceil(after)))), ("grpc-retry-pushback-ms", str(round(after * 1000))))
 
 
 DEFAULT_ERROR_CODES: Mapping[type[BaseException], grpc.StatusCode] = {
@@ -193,7 +237,7 @@ def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERRO
                 except grpc.aio.AbortError:
                     raise  # the handler already chose a status
                 except Exception as exc:  # noqa: BLE001 - turned into a status below
-                    await context.abort(*_status_for(exc, codes))
+                    await context.abort(*_status_for(exc, codes), trailing_metadata=_trailers_of(exc))
             return stream_wrapper
 
         @functools.wraps(method)
@@ -203,6 +247,6 @@ def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERRO
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                await context.abort(*_status_for(exc, codes))
+                await context.abort(*_status_for(exc, codes), trailing_metadata=_trailers_of(exc))
         return unary_wrapper
     return decorate
