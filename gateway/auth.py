@@ -196,3 +196,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def keyring_from_args(args: argparse.Namespace) -> KeyRing | None:
     path = getattr(args, "api_keys_file", None)
     return KeyRing.from_file(path) if path else None
+
+
+_ring: KeyRing | None = None
+
+
+def current_ring() -> KeyRing | None:
+    """The gateway process's API keys (None: keys off), as `use` set them from the flags at start."""
+    return _ring
+
+
+def use(ring: KeyRing | None) -> None:
+    """Make `ring` the process's API keys (None: no keys); read by the servers started after."""
+    global _ring
+    _ring = ring
+
+
+def grpc_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """The gateway's API key interceptor ([] when keys are off)."""
+    return [ApiKeyInterceptor(_ring)] if _ring is not None else []
+
+
+def http_middlewares() -> list:
+    """The HTTP API's API key middleware ([] when keys are off)."""
+    return [http_middleware(_ring)] if _ring is not None else []

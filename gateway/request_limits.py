@@ -93,3 +93,17 @@ def limits_from_args(args: argparse.Namespace) -> RequestLimits:
     defaults = RequestLimits()
     return RequestLimits(**{f.name: getattr(args, f"limit_{f.name}", getattr(defaults, f.name))
                             for f in fields(RequestLimits)})
+
+
+_current = RequestLimits()
+
+
+def current() -> RequestLimits:
+    """The gateway process's limits: the defaults until `use` (the gateway's flags at start) sets them."""
+    return _current
+
+
+def use(limits: RequestLimits | None) -> None:
+    """Make `limits` the process's limits (None: the defaults); read by the servers started after."""
+    global _current
+    _current = limits or RequestLimits()

@@ -27,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvstore.metrics import KVSTORE_BACKEND_ERRORS, KVSTORE_BLOCKS, KVSTORE_EVICTIONS
+from pdserve import log_privacy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,7 +127,7 @@ class RedisTier:
             self._failed(err)
             return None
         if not self.up:
-            log.warning("Redis tier %s is back after %.1f s: using it again", self.url,
+            log.warning("Redis tier %s is back after %.1f s: using it again", log_privacy.url(self.url),
                         self._clock() - self._down_since)
             self._down_since = None
         return result
@@ -137,6 +138,6 @@ class RedisTier:
         now = self._clock()
         if self.up:
             log.warning("Redis tier %s unavailable (%s: %s): serving from memory until it is back",
-                        self.url, type(err).__name__, err)
+                        log_privacy.url(self.url), type(err).__name__, err)
             self._down_since = now
         self._retry_at = now + self.retry_interval_s

@@ -15,6 +15,7 @@ from kvstore.service import SERVICE_NAME, add_to_server
 from kvstore.store import MemoryBlockStore
 from kvstore.tiered import TieredStore
 from pdserve.commands.kvstore import add_store_arguments
+from pdserve import log_privacy
 from pdserve.grpc_server import serve_until_signal, start_server
 
 DEFAULT_BIND = "0.0.0.0:50070"
@@ -71,7 +72,7 @@ def options_from_args(args: argparse.Namespace) -> StoreOptions:
 
 async def run_until_signal(bind: str, options: StoreOptions) -> None:
     server, port, store = await serve_store(bind, options)
-    backend = parse_backend(options.backend) or "none"
+    backend = log_privacy.url(parse_backend(options.backend)) or "none"
     logging.getLogger("kvstore").info("kvstore listening on port %d (redis tier: %s)", port, backend)
     try:
         await serve_until_signal(server)
