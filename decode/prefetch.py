@@ -17,7 +17,7 @@ dropped or aged out before any Decode used it).
 Where each block a Decode needs came from is counted in pdserve_decode_blocks_total{source}:
 resident (in the paged cache already, not brought by a prefetch), session / hot (put in the
 paged cache by that prefetch signal), dispatch (staged by the dispatch hint), late (a prefetch
-was still on its way), fetched (fetched on demand), missing (the kvstore lacked it: recomputed).
+was still on its way), fetched (fetched on demand), missing (the kvstore lacked it, or was unreachable: recomputed).
 The hit rate "blocks already here when Decode arrived" is (resident + session + hot + dispatch)
 over all of them.
 
@@ -34,9 +34,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+import grpc
 import torch
 from prometheus_client import Counter
 
+from kvstore.client import KVStoreProtocolError
 from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.runtime.kv_transfer import import_cached_blocks
 from pdserve.worker_common import Worker, record_transfer
@@ -104,7 +106,7 @@ class BlockPrefetcher:
                 PREFETCH_BLOCKS.labels(signal="dispatch", outcome="hit").inc()
         missing = [h for h in needed if h not in found and not self.is_local(h)]
         if missing:
-            fetched = await self._fetch(missing, request_id)
+            fetched = await self._fetch_or_none(missing, request_id)
             found.update(fetched)
             for h in missing:
                 source.setdefault(h, "fetched" if h in fetched else "missing")
@@ -166,6 +168,16 @@ class BlockPrefetcher:
         while self._staged and next(iter(self._staged.values()))[1] < cutoff:
             self._staged.popitem(last=False)
             PREFETCH_BLOCKS.labels(signal="dispatch", outcome="wasted").inc()
+
+    async def _fetch_or_none(self, hashes: list[bytes], request_id: str) -> dict[bytes, torch.Tensor]:
+        """The blocks fetched now; none when the kvstore fails (the engine computes them)."""
+        try:
+            blocks = await self._fetch(hashes, request_id)
+        except (grpc.aio.AioRpcError, KVStoreProtocolError) as exc:
+            self.worker.kv_outage.failed(f"fetch of {len(hashes)} blocks", exc)
+            return {}
+        self.worker.kv_outage.ok()
+        return blocks
 
     async def _fetch(self, hashes: list[bytes], request_id: str) -> dict[bytes, torch.Tensor]:
         start = time.perf_counter()

@@ -6,9 +6,18 @@ them to the engine, which shares or copies them into its paged cache (or recompu
 when a block is missing or corrupt), unpin the request's blocks in the KV store, then stream the
 tokens of the continuous batch. A cancelled call aborts the sequence, which frees its blocks.
 
-When a sequence finishes (stop or length), its full blocks past the prompt (generated tokens)
-are written back to the kvstore, unpinned, in the background: the next turn of the conversation,
-whose prompt starts with this one's prompt and answer, finds them by prefix lookup on any worker.
+Decode with `local_prefill` prefills here instead: the worker hashes the prompt's full blocks,
+takes the leading ones it finds (paged cache, kvstore), computes the rest, and the first chunk
+carries the first generated token (and, in `cached_tokens`, the prompt tokens reused). The gateway
+uses it to resume a stream whose decode worker died (the prompt then ends with the tokens
+generated so far), when no prefill worker is healthy, and when its placement policy says so.
+
+The kvstore is never required: when it is unreachable the blocks count as missing and the
+engine computes them (`KVOutage` logs that once per outage).
+
+Each block the sequence fills is written back to the kvstore, unpinned, in the background
+(decode.write_back): a resume on another worker, or the next turn of the conversation, finds the
+prompt and the answer so far by prefix lookup on any worker.
 
 A background task reports the paged cache's full blocks to the kvstore's residency index (about
 once a second, as deltas) so the gateway can route a prompt to the worker that holds its prefix.
@@ -19,23 +28,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 
 import grpc
 
 from decode.prefetch import BlockPrefetcher
+from decode.write_back import BlockWriteBack
 from pdserve.grpc_server import abort_on
-from pdserve.kvwire import encode_block
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
-from pdserve.runtime.kv_transfer import export_cached_blocks, resident_hashes
+from pdserve.runtime.kv_transfer import resident_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import WORKER_ERROR_CODES, Worker, record_transfer
+from pdserve.worker_common import WORKER_ERROR_CODES, Worker
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
 log = logging.getLogger(__name__)
 
-WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns write-back of finished sequences off
+WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generated blocks off
 RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
 
 
@@ -59,51 +67,55 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     @abort_on(WORKER_ERROR_CODES)
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
-        rid, prompt, hashes = request.request_id, list(request.prompt_token_ids), list(request.block_hashes)
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
         if not rid:
             raise ValueError("request_id is empty: the gateway names every request")
+        if not 0 <= request.resumed_tokens < len(prompt):
+            raise ValueError(f"resumed_tokens must be in [0, {len(prompt)}), got {request.resumed_tokens}")
         params = sampling_from_proto(request.sampling)
+        if request.local_prefill:
+            hashes = self._prefix_hashes(prompt)
+            tokens = prompt
+        else:
+            hashes = list(request.block_hashes)
+            tokens = prompt + [request.first_token]
+        writer = BlockWriteBack(self.worker, rid, tokens, self._spawn) if self.write_back else None
         imported = False
-        generated: list[int] = []
         try:
             blocks = await self.prefetcher.gather(rid, hashes)
-            add = lambda e: e.add_prefilled(rid, prompt, request.first_token, params, hashes, blocks)  # noqa: E731
+            if request.local_prefill:
+                add = lambda e: e.add_with_prefix(rid, prompt, params, blocks,  # noqa: E731
+                                                  resumed_tokens=request.resumed_tokens)
+            else:
+                add = lambda e: e.add_prefilled(rid, prompt, request.first_token, params, hashes, blocks)  # noqa: E731
             async for outs in self.worker.aengine.generate(rid, add):
                 if not imported:
                     imported = True
-                    self._spawn(self.worker.kv.release(rid, drop=False))  # the KV is in our cache now
-                generated += [t for o in outs for t in o.new_token_ids]
-                reason = outs[-1].finish_reason
-                if reason in ("stop", "length") and self.write_back:
-                    self._spawn(self._write_back(rid, prompt + [request.first_token] + generated))
-                yield worker_pb2.DecodeChunk(token_ids=[t for o in outs for t in o.new_token_ids],
+                    self._spawn(self._release(rid, drop=False))  # the KV is in our cache now
+                new_tokens = [t for o in outs for t in o.new_token_ids]
+                if writer is not None:
+                    writer.extend(new_tokens)
+                yield worker_pb2.DecodeChunk(token_ids=new_tokens,
                                              logprobs=logprobs_to_proto(lp for o in outs for lp in o.logprobs),
-                                             finish_reason=reason)
+                                             finish_reason=outs[-1].finish_reason,
+                                             cached_tokens=outs[0].cached_tokens if request.local_prefill else 0)
         finally:
             if not imported:
-                self._spawn(self.worker.kv.release(rid, drop=True))
+                self._spawn(self._release(rid, drop=True))
 
-    async def _write_back(self, rid: str, tokens: list[int]) -> None:
-        """Put the finished sequence's full blocks past its prompt into the kvstore (unpinned)."""
+    def _prefix_hashes(self, prompt: list[int]) -> list[bytes]:
+        """Hashes of the prompt's full blocks that may be reused (the block of its last token is
+        always computed: its logits pick the first token)."""
         spec = self.worker.spec
-        bm = self.worker.engine.block_manager
-        # The last sampled token was never run through the model: it has no KV.
-        chain = prompt_block_hashes(tokens[:-1], spec.block_size, spec.fingerprint, bm.kv_dtype)
+        usable = (len(prompt) - 1) // spec.block_size
+        return prompt_block_hashes(prompt, spec.block_size, spec.fingerprint,
+                                   self.worker.engine.block_manager.kv_dtype)[:usable]
+
+    async def _release(self, rid: str, drop: bool) -> None:
         try:
-            present = await self.worker.kv.presence(chain)
-            new = [h for h, p in zip(chain, present) if not p]
-            if not new:
-                return
-            blocks = await self.worker.aengine.call(lambda e: export_cached_blocks(e, new))
-            encoded = await asyncio.to_thread(
-                lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
-            start = time.perf_counter()
-            await self.worker.kv.put_blocks("", encoded)
-            nbytes = sum(len(d) for _, d in encoded)
-            self.worker.counters.kv_bytes_sent += nbytes
-            record_transfer(self.worker, "put", nbytes, time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - write-back only helps later requests
-            log.warning("write-back of %s failed: %s", rid, exc)
+            await self.worker.kv.release(rid, drop=drop)
+        except Exception as exc:  # noqa: BLE001 - the lease expires by itself in the store
+            self.worker.kv_outage.failed(f"release of {rid}", exc)
 
     async def _report_residency_forever(self, interval_s: float) -> None:
         reported: set[bytes] | None = None  # None: the kvstore needs a full report

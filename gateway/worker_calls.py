@@ -46,11 +46,12 @@ class PrefillResult:
 
 @dataclass(frozen=True, slots=True)
 class DecodedTokens:
-    """One DecodeChunk: tokens after the first one."""
+    """One DecodeChunk: tokens after the first one (from the first one with local prefill)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str
+    cached_tokens: int = 0  # local prefill: prompt tokens whose KV the decode worker reused
 
 
 def prefill_stub(channel: grpc.aio.Channel) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -62,7 +63,8 @@ def decode_stub(channel: grpc.aio.Channel) -> worker_pb2_grpc.DecodeWorkerStub:
 
 
 def worker_error(ep: WorkerEndpoint, err: grpc.aio.AioRpcError, what: str = "") -> ServiceError:
-    """The ServiceError to report for a failed call to `ep`."""
+    """The ServiceError to report for a failed call to `ep` (its circuit breaker learns of the failure)."""
+    ep.record(err.code())
     code = err.code() if err.code() in _PASSED_THROUGH else grpc.StatusCode.INTERNAL
     where = f"{ep.kind} worker {ep.address}" + (f" {what}" if what else "")
     return ServiceError(code, f"{where}: {err.code().name}: {err.details() or 'no details'}")
@@ -80,6 +82,7 @@ async def prefill(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int]
         raise worker_error(ep, err) from None
     finally:
         call.cancel()  # no-op when done; stops the worker's work when we were cancelled
+    ep.record(None)
     lp = logprob_from_proto(reply.first_logprob) if reply.HasField("first_logprob") else None
     return PrefillResult(reply.first_token, lp, tuple(reply.block_hashes), reply.prompt_tokens,
                          reply.cached_tokens, reply.finish_reason)
@@ -99,19 +102,26 @@ def send_prepare(ep: WorkerEndpoint, request_id: str, block_hashes: Sequence[byt
     return spawn(call(), name=f"prepare-{request_id}")
 
 
-async def decode(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int], first_token: int,
-                 block_hashes: Sequence[bytes], sampling: SamplingParams, timeout_s: float | None
+async def decode(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
+                 timeout_s: float | None, prefilled: PrefillResult | None = None, resumed_tokens: int = 0
                  ) -> AsyncIterator[DecodedTokens]:
-    """Stream the tokens after `first_token`. Closing the generator early cancels the call,
+    """Stream the tokens after `prefilled.first_token`, or, with `prefilled` None, prefill on the
+    decode worker and stream from the first token (`resumed_tokens`: the prompt's last tokens
+    were generated before, by a worker that died). Closing the generator early cancels the call,
     which makes the worker abort the sequence and free its KV."""
     request = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                       first_token=first_token, block_hashes=block_hashes,
-                                       sampling=sampling_to_proto(sampling))
+                                       sampling=sampling_to_proto(sampling), resumed_tokens=resumed_tokens)
+    if prefilled is None:
+        request.local_prefill = True
+    else:
+        request.first_token = prefilled.first_token
+        request.block_hashes.extend(prefilled.block_hashes)
     call = ep.stub.Decode(request, timeout=timeout_s)
     try:
         async for chunk in call:
-            yield DecodedTokens(tuple(chunk.token_ids),
-                                tuple(logprob_from_proto(lp) for lp in chunk.logprobs), chunk.finish_reason)
+            yield DecodedTokens(tuple(chunk.token_ids), tuple(logprob_from_proto(lp) for lp in chunk.logprobs),
+                                chunk.finish_reason, chunk.cached_tokens)
+        ep.record(None)  # the stream ended as the worker meant it to
     except grpc.aio.AioRpcError as err:
         raise worker_error(ep, err, "during decode") from None
     finally:

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -36,6 +36,29 @@ class TransferCounters:
     kv_bytes_sent: int = 0
 
 
+class KVOutage:
+    """Logs failed kvstore calls once per outage (a warning), then the recovery: while the store is
+    down every request falls back to computing its KV, and one line per request would flood the log."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.failures = 0  # failed calls since start
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        if not self.down:
+            log.warning("kvstore unreachable (%s: %s): computing KV locally until it is back", what, detail)
+        else:
+            log.debug("kvstore still unreachable (%s: %s)", what, detail)
+        self.down = True
+
+    def ok(self) -> None:
+        if self.down:
+            log.info("kvstore reachable again")
+        self.down = False
+
+
 @dataclass
 class Worker:
     """One worker's parts: the engine on its thread, the kvstore client, the block format."""
@@ -45,6 +68,7 @@ class Worker:
     kv: KVStoreClient
     spec: BlockSpec
     counters: TransferCounters
+    kv_outage: KVOutage = field(default_factory=KVOutage)
 
     @property
     def engine(self) -> Engine:

@@ -11,7 +11,11 @@ carries the first token, the block hashes the decode worker will ask for, and th
 whose KV was reused (`cached_tokens`).
 
 A prefix fetch that fails (kvstore down, corrupt block) only costs compute: the engine then
-computes those tokens itself.
+computes those tokens itself. A put that fails (kvstore down or full) does not fail the request
+either: the decode worker finds the blocks missing and computes them (logged once per outage).
+
+Prefill is idempotent by request id (prefill.single_flight): a retry that arrives while the same
+request runs here joins that run instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pdserve.runtime.engine import Engine, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import WORKER_ERROR_CODES, Worker, record_transfer
+from prefill.single_flight import SingleFlight
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
 log = logging.getLogger(__name__)
@@ -39,13 +44,17 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.flights: SingleFlight[worker_pb2.PrefillResponse] = SingleFlight()
 
     @abort_on(WORKER_ERROR_CODES)
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrefillResponse:
-        rid, prompt = request.request_id, list(request.token_ids)
-        if not rid:
+        if not request.request_id:
             raise ValueError("request_id is empty: the gateway names every request")
+        return await self.flights.run(request.request_id, lambda: self._prefill(request))
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        rid, prompt = request.request_id, list(request.token_ids)
         params = sampling_from_proto(request.sampling)
         prefix = await self._fetch_prefix(rid, prompt, request.cached_blocks)
         last: StepOutput | None = None
@@ -54,13 +63,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             async for outs in self.worker.aengine.generate(rid, add):
                 last = outs[-1]
             blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid))
-            # The fetched prefix is in the kvstore already, pinned under this lease by the fetch.
-            await self._store(rid, [b for b in blocks if b.hash not in prefix])
         except BaseException:
-            await self.worker.kv.release(rid, drop=True)
+            await self._release(rid, drop=True)
             raise
+        # The fetched prefix is in the kvstore already, pinned under this lease by the fetch.
+        await self._store(rid, [b for b in blocks if b.hash not in prefix])
         if last.finish_reason:  # no decode will come for this request: unpin its blocks now
-            await self.worker.kv.release(rid)
+            await self._release(rid, drop=False)
         lp = last.logprobs[0] if last.logprobs else None
         return worker_pb2.PrefillResponse(
             request_id=rid, first_token=last.new_token_ids[0],
@@ -90,16 +99,30 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return await asyncio.to_thread(_decode_leading, wanted, datas, spec)
 
     async def _store(self, rid: str, blocks: list[ExportedBlock]) -> None:
+        """Put the blocks under the lease `rid`; a failed put costs the decode worker a recompute
+        of what is missing, never the request."""
         spec = self.worker.spec
         encoded = await asyncio.to_thread(
             lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
         start = time.perf_counter()
-        result = await self.worker.kv.put_blocks(rid, encoded)
+        try:
+            result = await self.worker.kv.put_blocks(rid, encoded)
+        except grpc.aio.AioRpcError as err:
+            self.worker.kv_outage.failed(f"put of {len(encoded)} blocks for {rid}", err)
+            return
+        self.worker.kv_outage.ok()
         if result.rejected:
-            raise RuntimeError(f"kvstore rejected {result.rejected} of {len(encoded)} KV blocks (full?)")
+            log.warning("kvstore rejected %d of %d KV blocks of %s (full?): the decode worker will compute them",
+                        result.rejected, len(encoded), rid)
         nbytes = sum(len(d) for _, d in encoded)
         self.worker.counters.kv_bytes_sent += nbytes
         record_transfer(self.worker, "put", nbytes, time.perf_counter() - start)
+
+    async def _release(self, rid: str, drop: bool) -> None:
+        try:
+            await self.worker.kv.release(rid, drop=drop)
+        except grpc.aio.AioRpcError as err:  # the lease expires by itself in the store
+            self.worker.kv_outage.failed(f"release of {rid}", err)
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> worker_pb2.WorkerStats:

@@ -37,14 +37,16 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str = ""
     hold_blocks: bool = False  # prefill role: keep the KV after finishing until exported
+    resumed_tokens: int = 0  # trailing prompt tokens this request generated before a resume
 
     def generator(self) -> torch.Generator | None:
         """RNG of the next token when seeded: a function of (seed, position) only, so a request
         sampled partly on a prefill worker and partly on a decode worker draws what it would
-        draw in one process."""
+        draw in one process; a resumed stream counts the tokens it generated before."""
         if self.params.seed is None:
             return None
-        return torch.Generator().manual_seed((self.params.seed * 1_000_003 + len(self.output_ids)) % (1 << 63))
+        position = self.resumed_tokens + len(self.output_ids)
+        return torch.Generator().manual_seed((self.params.seed * 1_000_003 + position) % (1 << 63))
 
     @property
     def token_ids(self) -> list[int]:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rcached_blocks\x18\x04 \x01(\x05\"\xc6\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\"J\n\x0ePrepareRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06signal\x18\x03 \x01(\t\"@\n\x0fPrepareResponse\x12\x14\n\x0c\x62locks_local\x18\x01 \x01(\x05\x12\x17\n\x0f\x62locks_fetching\x18\x02 \x01(\x05\"\x96\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"c\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x0e\n\x0cStatsRequest\"\x90\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x04 \x01(\x05\x12\x17\n\x0fnum_blocks_free\x18\x05 \x01(\x05\x12\x19\n\x11num_blocks_cached\x18\x06 \x01(\x05\x12\x11\n\tnum_steps\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12G\n\x11\x62\x61tch_size_counts\x18\t \x03(\x0b\x32,.pdserve.v1.WorkerStats.BatchSizeCountsEntry\x12\x18\n\x10tokens_generated\x18\n \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x0b \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\x0c \x01(\x03\x1a\x36\n\x14\x42\x61tchSizeCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x8f\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xce\x01\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Prepare\x12\x1a.pdserve.v1.PrepareRequest\x1a\x1b.pdserve.v1.PrepareResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rcached_blocks\x18\x04 \x01(\x05\"\xc6\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x15\n\rfinish_reason\x18\x07 \x01(\t\"J\n\x0ePrepareRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x0e\n\x06signal\x18\x03 \x01(\t\"@\n\x0fPrepareResponse\x12\x14\n\x0c\x62locks_local\x18\x01 \x01(\x05\x12\x17\n\x0f\x62locks_fetching\x18\x02 \x01(\x05\"\xc5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x16\n\x0eresumed_tokens\x18\x07 \x01(\x05\"z\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\x0e\n\x0cStatsRequest\"\x90\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x18\n\x10num_blocks_total\x18\x04 \x01(\x05\x12\x17\n\x0fnum_blocks_free\x18\x05 \x01(\x05\x12\x19\n\x11num_blocks_cached\x18\x06 \x01(\x05\x12\x11\n\tnum_steps\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12G\n\x11\x62\x61tch_size_counts\x18\t \x03(\x0b\x32,.pdserve.v1.WorkerStats.BatchSizeCountsEntry\x12\x18\n\x10tokens_generated\x18\n \x01(\x03\x12\x19\n\x11kv_bytes_received\x18\x0b \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\x0c \x01(\x03\x1a\x36\n\x14\x42\x61tchSizeCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\x8f\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xce\x01\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Prepare\x12\x1a.pdserve.v1.PrepareRequest\x1a\x1b.pdserve.v1.PrepareResponse\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPARERESPONSE']._serialized_start=467
   _globals['_PREPARERESPONSE']._serialized_end=531
   _globals['_DECODEREQUEST']._serialized_start=534
-  _globals['_DECODEREQUEST']._serialized_end=684
-  _globals['_DECODECHUNK']._serialized_start=686
-  _globals['_DECODECHUNK']._serialized_end=785
-  _globals['_STATSREQUEST']._serialized_start=787
-  _globals['_STATSREQUEST']._serialized_end=801
-  _globals['_WORKERSTATS']._serialized_start=804
-  _globals['_WORKERSTATS']._serialized_end=1204
-  _globals['_WORKERSTATS_BATCHSIZECOUNTSENTRY']._serialized_start=1150
-  _globals['_WORKERSTATS_BATCHSIZECOUNTSENTRY']._serialized_end=1204
-  _globals['_PREFILLWORKER']._serialized_start=1207
-  _globals['_PREFILLWORKER']._serialized_end=1350
-  _globals['_DECODEWORKER']._serialized_start=1353
-  _globals['_DECODEWORKER']._serialized_end=1559
+  _globals['_DECODEREQUEST']._serialized_end=731
+  _globals['_DECODECHUNK']._serialized_start=733
+  _globals['_DECODECHUNK']._serialized_end=855
+  _globals['_STATSREQUEST']._serialized_start=857
+  _globals['_STATSREQUEST']._serialized_end=871
+  _globals['_WORKERSTATS']._serialized_start=874
+  _globals['_WORKERSTATS']._serialized_end=1274
+  _globals['_WORKERSTATS_BATCHSIZECOUNTSENTRY']._serialized_start=1220
+  _globals['_WORKERSTATS_BATCHSIZECOUNTSENTRY']._serialized_end=1274
+  _globals['_PREFILLWORKER']._serialized_start=1277
+  _globals['_PREFILLWORKER']._serialized_end=1420
+  _globals['_DECODEWORKER']._serialized_start=1423
+  _globals['_DECODEWORKER']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

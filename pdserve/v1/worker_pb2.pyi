@@ -56,28 +56,34 @@ class PrepareResponse(_message.Message):
     def __init__(self, blocks_local: _Optional[int] = ..., blocks_fetching: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token", "block_hashes", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token", "block_hashes", "sampling", "local_prefill", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    local_prefill: bool
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,78 @@
+"""BlockWriteBack: a decoding sequence's KV blocks go to the kvstore as soon as they fill.
+
+Why as they fill and not only at the end: when this decode worker dies mid-stream, the gateway
+resumes the request on another decode worker, which finds the prompt and every generated block
+written so far by prefix lookup and recomputes only the unwritten tail. The next turn of a
+conversation (prompt = this prompt + this answer) finds them the same way.
+
+Each newly full block is exported from the paged cache and put, unpinned, in a background task:
+the token stream never waits for it, and a failed put is only logged (`KVOutage`, once per
+outage). Blocks the store already holds (the prompt, put by prefill) are skipped by a presence
+check before any data moves; every block is considered once, so nothing is sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+
+from pdserve.kvwire import encode_block
+from pdserve.runtime.block_hash import block_hash
+from pdserve.runtime.kv_transfer import export_cached_blocks
+from pdserve.worker_common import Worker, record_transfer
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine], None]
+
+
+class BlockWriteBack:
+    """Follows one sequence's tokens: `extend` with each chunk's tokens, the last one included."""
+
+    def __init__(self, worker: Worker, request_id: str, tokens: Sequence[int], spawn: Spawn) -> None:
+        self.worker = worker
+        self.request_id = request_id
+        self.tokens = list(tokens)  # prompt and generated tokens; the last one has no KV yet
+        self.chain: list[bytes] = []  # hashes of the full blocks considered so far, in order
+        self._spawn = spawn
+        self.written = 0  # blocks this sequence put into the store (stored or already present)
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        """Record generated tokens; puts the blocks they completed in the background."""
+        self.tokens.extend(new_tokens)
+        new = self._new_full_blocks()
+        if new:
+            self._spawn(self._put(new))
+
+    def _new_full_blocks(self) -> list[bytes]:
+        spec = self.worker.spec
+        bs = spec.block_size
+        full = (len(self.tokens) - 1) // bs  # the last token's KV is not computed yet
+        start = len(self.chain)
+        for i in range(start, full):
+            parent = self.chain[-1] if self.chain else None
+            self.chain.append(block_hash(parent, self.tokens[i * bs:(i + 1) * bs], spec.fingerprint,
+                                         self.worker.engine.block_manager.kv_dtype))
+        return self.chain[start:]
+
+    async def _put(self, hashes: list[bytes]) -> None:
+        worker, spec = self.worker, self.worker.spec
+        try:
+            present = await worker.kv.presence(hashes)
+            wanted = [h for h, p in zip(hashes, present) if not p]
+            if not wanted:
+                return
+            blocks = await worker.aengine.call(lambda e: export_cached_blocks(e, wanted))
+            encoded = await asyncio.to_thread(
+                lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
+            start = time.perf_counter()
+            await worker.kv.put_blocks("", encoded)
+            worker.kv_outage.ok()
+            nbytes = sum(len(d) for _, d in encoded)
+            worker.counters.kv_bytes_sent += nbytes
+            self.written += len(encoded)
+            record_transfer(worker, "put", nbytes, time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - write-back only helps later requests
+            worker.kv_outage.failed(f"write-back of {self.request_id}", exc)
