@@ -17,7 +17,7 @@ class Candidate:
     """What the policy knows of one worker."""
 
     address: str
-    healthy: bool  # last health probe said SERVING and no call has seen it UNAVAILABLE since
+    healthy: bool  # routable: last probe said SERVING, no call has seen it UNAVAILABLE since, breaker not open
     inflight: int  # requests this gateway has on it right now
 
 

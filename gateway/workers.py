@@ -8,6 +8,14 @@ last call ends). An endpoint is marked down by a failed probe or by `mark_down` 
 UNAVAILABLE) and comes back up on the next successful probe. `pick` asks `router` for the
 least-loaded healthy endpoint; `pick_decode` for the KV-aware choice, using what each probe also
 learns from the worker's Stats (its worker id, running batch and free KV blocks).
+
+Besides health, each endpoint has a circuit breaker (gateway.breaker) fed by the outcomes of the
+calls made to it (`WorkerEndpoint.record`, from gateway.worker_calls): an endpoint is *routable*
+when it is healthy and its breaker lets a call through; a pick of an endpoint whose breaker is
+half-open is its one trial call. Each pool also owns a retry budget (gateway.retry): a pick with
+a non-empty `exclude` is a retry of a failed call and is refused (UNAVAILABLE, naming the
+failures) when the budget is spent; `retry_allowed()` asks the budget directly for retries that
+do not go through `pick` (e.g. a resumed decode stream).
 """
 
 from __future__ import annotations
@@ -16,12 +24,14 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.breaker import BreakerConfig, CircuitBreaker, State
+from gateway.retry import RetryBudget, RetryBudgetConfig
 from gateway.router import Candidate, DecodeCandidate, pick_decode, pick_least_loaded
 from gateway.targets import Target, resolve
 from pdserve.grpc_server import ServiceError, grpc_channel
@@ -49,6 +59,22 @@ class WorkerEndpoint:
     running: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def routable(self) -> bool:
+        """Healthy, and its circuit breaker lets a call through."""
+        return self.healthy and self.breaker.available()
+
+    def record(self, code: grpc.StatusCode | None) -> None:
+        """The outcome of one call to this worker (None = success), for its circuit breaker."""
+        before = self.breaker.state
+        self.breaker.record(code)
+        after = self.breaker.state
+        if after is not before:
+            log_fn = log.warning if after is State.OPEN else log.info
+            log_fn("%s worker %s: %s (last call: %s)", self.kind, self.address, self.breaker.describe(),
+                   code.name if code is not None else "OK")
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -60,19 +86,24 @@ class WorkerEndpoint:
             self.inflight -= 1
 
     def describe(self) -> str:
-        return self.address if self.healthy else f"{self.address} ({self.last_error})"
+        if not self.healthy:
+            return f"{self.address} ({self.last_error})"
+        return self.address if self.breaker.state is State.CLOSED else f"{self.address} ({self.breaker.describe()})"
 
 
 class WorkerPool:
     """The endpoints of one kind of worker, with health probing and least-loaded picking."""
 
     def __init__(self, kind: str, targets: Sequence[Target], stub_factory: StubFactory,
-                 probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0) -> None:
+                 probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0,
+                 breaker: BreakerConfig | None = None, retry_budget: RetryBudget | None = None) -> None:
         self.kind = kind  # "prefill" | "decode"
         self.targets = list(targets)
         self.stub_factory = stub_factory
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
+        self.breaker_config = breaker or BreakerConfig.from_env()
+        self.retry_budget = retry_budget or RetryBudget(RetryBudgetConfig.from_env())
         self.endpoints: list[WorkerEndpoint] = []  # what `pick` chooses from, in address order
         self._retiring: list[WorkerEndpoint] = []  # left the DNS answer; closed once idle
         self._resolve_errors: dict[str, str] = {}  # target -> why it did not resolve last time
@@ -94,30 +125,53 @@ class WorkerPool:
         self._retiring.clear()
 
     def pick(self, exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:
-        """The least-loaded healthy endpoint not in `exclude`; ServiceError UNAVAILABLE if none."""
-        candidates = [Candidate(ep.address, ep.healthy and ep not in exclude, ep.inflight)
+        """The least-loaded routable endpoint not in `exclude`; ServiceError UNAVAILABLE if none, or
+        if `exclude` is not empty (a retry) and the retry budget is spent."""
+        self._count_attempt(exclude)
+        candidates = [Candidate(ep.address, ep.routable and ep not in exclude, ep.inflight)
                       for ep in self.endpoints]
-        index = pick_least_loaded(candidates, self._cursor)
-        if index is None:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               f"no healthy {self.kind} worker: {self.describe()}")
-        self._cursor = index + 1
-        return self.endpoints[index]
+        return self._chosen(pick_least_loaded(candidates, self._cursor))
 
     def pick_decode(self, blocks_needed: int, resident: Mapping[str, int], session_address: str = "",
                     exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:
         """The KV-aware choice (router.pick_decode); `resident` maps worker ids to the prompt's
         leading blocks in their paged cache, `session_address` is the session's last worker."""
-        candidates = [DecodeCandidate(ep.address, ep.healthy and ep not in exclude, ep.inflight, ep.running,
+        self._count_attempt(exclude)
+        candidates = [DecodeCandidate(ep.address, ep.routable and ep not in exclude, ep.inflight, ep.running,
                                       ep.free_blocks, ep.total_blocks, resident.get(ep.worker_id, 0) if ep.worker_id else 0,
                                       ep.address == session_address)
                       for ep in self.endpoints]
-        index = pick_decode(candidates, blocks_needed, self._cursor)
+        return self._chosen(pick_decode(candidates, blocks_needed, self._cursor))
+
+    def retry_allowed(self) -> bool:
+        """May a failed call be retried now? True spends one retry of the budget (gateway.retry)."""
+        allowed = self.retry_budget.try_retry()
+        if not allowed:
+            log.warning("%s pool: retry budget spent (%d refused so far); not retrying", self.kind,
+                        self.retry_budget.denied)
+        return allowed
+
+    def routable_count(self) -> int:
+        """Endpoints a request could be sent to now (healthy, breaker letting calls through)."""
+        return sum(ep.routable for ep in self.endpoints)
+
+    def _count_attempt(self, exclude: Collection[WorkerEndpoint]) -> None:
+        if not exclude:
+            self.retry_budget.record_request()
+        elif not self.retry_allowed():
+            failed = ", ".join(ep.describe() for ep in exclude)
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"{self.kind} call failed on {failed} and the retry budget is spent "
+                               "(too many retries lately); retry later")
+
+    def _chosen(self, index: int | None) -> WorkerEndpoint:
         if index is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"no healthy {self.kind} worker: {self.describe()}")
         self._cursor = index + 1
-        return self.endpoints[index]
+        ep = self.endpoints[index]
+        ep.breaker.acquire()  # the half-open trial, when its cooldown has passed
+        return ep
 
     def by_address(self, address: str) -> WorkerEndpoint | None:
         return next((ep for ep in self.endpoints if ep.address == address), None)
@@ -170,7 +224,7 @@ class WorkerPool:
         channel = grpc_channel(address)
         log.info("%s worker %s joined the pool", self.kind, address)
         return WorkerEndpoint(self.kind, address, channel, self.stub_factory(channel),
-                              health_pb2_grpc.HealthStub(channel))
+                              health_pb2_grpc.HealthStub(channel), breaker=CircuitBreaker(self.breaker_config))
 
     async def _probe(self, ep: WorkerEndpoint) -> None:
         try:
