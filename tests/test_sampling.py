@@ -90,3 +90,20 @@ def test_logprobs_are_log_softmax_of_the_logits(make_engine):
     assert lp.token_id == int(ref.argmax())
     assert abs(lp.logprob - float(ref.max())) < 1e-4
     assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_sampling_values_are_refused(field, value):
+    # Found by fuzzing the gateway: NaN passed validation and failed the worker's engine step.
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-30),
+                                    SamplingParams(temperature=1.0, repetition_penalty=1e-40)])
+def test_tiny_temperature_or_penalty_samples_without_nan(logits, params):
+    # Found by fuzzing: logits / 1e-40 overflowed to inf and softmax gave NaN (engine step failed).
+    seq = Sequence("s", [int(logits.argmax())], params)
+    token = sample_one(logits, seq)
+    assert 0 <= token < len(logits)

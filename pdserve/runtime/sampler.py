@@ -41,13 +41,22 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return filtered / filtered.sum()
 
 
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits: [V] -> logits / temperature, computed so that it cannot overflow into NaN: clamped
+    to finite values and shifted to a maximum of 0 first (softmax does not change under a shift),
+    so a tiny temperature or repetition penalty gives -inf for unlikely tokens, never inf - inf."""
+    info = torch.finfo(logits.dtype)
+    finite = torch.nan_to_num(logits, posinf=info.max, neginf=info.min)
+    return (finite - finite.max()) / temperature
+
+
 def sample_one(logits: torch.Tensor, seq: Sequence) -> int:
     """logits: [V] fp32 of one sequence -> the next token id."""
     p = seq.params
     logits = apply_repetition_penalty(logits, seq.token_ids, p.repetition_penalty)
     if p.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits / p.temperature, dim=-1)
+    probs = torch.softmax(scaled_logits(logits, p.temperature), dim=-1)
     probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
     return int(torch.multinomial(probs, 1, generator=seq.generator()))
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,9 @@ class SamplingParams:
     logprobs: int = 0  # top alternatives to return per token; 0 means no logprobs
 
     def __post_init__(self) -> None:
+        for name in _FLOAT_FIELDS:  # NaN passes every comparison below; inf poisons the softmax
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
