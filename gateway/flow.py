@@ -133,8 +133,9 @@ class RequestFlow:
                   ) -> AsyncIterator[OutputChunk]:
         """Stream the request's output chunks; the last has finish_reason and usage."""
         prompt_ids = self.tokenize(request)
-        with self.limit.admit():
+        with self.limit.admit(len(prompt_ids)) as admitted:  # SLO-aware when on (gateway.admission)
             async for chunk in self._generate(request, prompt_ids, time_remaining):
+                admitted.first_token()  # what admission learns from; only the first call counts
                 yield chunk
 
     async def _generate(self, request: GenerationRequest, prompt_ids: list[int],

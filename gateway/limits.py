@@ -1,7 +1,11 @@
 """Bounded admission: at most `max_inflight` requests run through the gateway at once.
 
 Past the limit a request is refused at once with RESOURCE_EXHAUSTED (the client backs off or
-tries another gateway) instead of queueing without bound in the gateway's memory.
+tries another gateway) instead of queueing without bound in the gateway's memory. This is the
+hard cap; `gateway.admission.SloAdmission` adds the SLO-aware refusal on top of it.
+
+`admit(prompt_tokens)` yields an `Admitted` ticket; the flow calls `ticket.first_token()` when the
+request's first token is out, which an admission controller learns from (a no-op here).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ import grpc
 from pdserve.grpc_server import ServiceError
 
 
+class Admitted:
+    """The ticket of one admitted request."""
+
+    def first_token(self) -> None:
+        """The request's first token was emitted (only the first call counts)."""
+
+
 class InflightLimit:
     """Counts admitted requests; `admit()` refuses the one past the limit."""
 
@@ -24,8 +35,14 @@ class InflightLimit:
         self.inflight = 0
 
     @contextmanager
-    def admit(self) -> Iterator[None]:
+    def admit(self, prompt_tokens: int = 0) -> Iterator[Admitted]:
         """Hold one slot for the duration of the block; ServiceError RESOURCE_EXHAUSTED when full."""
+        with self.hold():
+            yield Admitted()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The in-flight slot alone (what `admit` and its subclasses hold)."""
         if self.inflight >= self.max_inflight:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"gateway is at its limit of {self.max_inflight} requests in flight "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -70,7 +71,7 @@ def api_error_of(exc: BaseException) -> ApiError:
         status, type_, code = _GRPC_TO_HTTP.get(exc.code, (500, "server_error", "internal_error"))
         if status == 500:
             log.warning("request failed with %s: %s", exc.code.name, exc)
-        return ApiError(status, str(exc), type=type_, code=code, headers=_retry_after(status))
+        return ApiError(status, str(exc), type=type_, code=code, headers=_retry_after(status, exc.retry_after_s))
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc) or "invalid request")
     if isinstance(exc, web.HTTPException):
@@ -80,8 +81,10 @@ def api_error_of(exc: BaseException) -> ApiError:
                     type="server_error", code="internal_error")
 
 
-def _retry_after(status: int) -> dict[str, str]:
-    seconds = _RETRY_AFTER_S.get(status)
+def _retry_after(status: int, hint_s: float | None = None) -> dict[str, str]:
+    """The Retry-After header: the flow's own hint (overload: when the queue should have drained),
+    else the status's default."""
+    seconds = str(max(1, math.ceil(hint_s))) if hint_s is not None else _RETRY_AFTER_S.get(status)
     return {"Retry-After": seconds} if seconds else {}
 
 
