@@ -101,7 +101,8 @@ def block_spec(engine: Engine) -> BlockSpec:
 
 def make_worker(args: argparse.Namespace) -> Worker:
     engine, _ = build_engine(args)
-    aengine = AsyncEngine(engine, batch_window_s=args.batch_window_ms / 1000).start()
+    aengine = AsyncEngine(engine, batch_window_s=args.batch_window_ms / 1000,
+                          max_streams=args.max_waiting + args.max_batch_size).start()
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.bind.rsplit(':', 1)[-1]}"
     return Worker(worker_id, aengine, KVStoreClient(args.kvstore), block_spec(engine), TransferCounters())
 

@@ -136,6 +136,45 @@ def test_admission_is_off_unless_an_slo_is_set(monkeypatch):
         admission_for(cap, lambda: 1)
 
 
+# ---- the worker's bounded queue -----------------------------------------------------------------
+
+
+def test_worker_engine_refuses_past_its_open_request_bound_at_once():
+    import asyncio
+
+    from pdserve.runtime.async_engine import AsyncEngine
+    from pdserve.runtime.engine import Engine, QueueFullError
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+    from pdserve.runtime.sampling_params import SamplingParams
+    from pdserve.worker_common import WORKER_ERROR_CODES
+
+    engine = Engine.from_checkpoint(load_checkpoint(resolve_model_path(None)))
+    aengine = AsyncEngine(engine, batch_window_s=0, max_streams=2).start()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def add(rid: str):
+        return lambda e: e.add_request(rid, [1, 400, 500], params)
+
+    async def scenario() -> int:
+        open_streams = [aengine.generate(f"r{i}", add(f"r{i}")) for i in range(2)]
+        for stream in open_streams:
+            await anext(stream)  # admitted and stepping; the stream stays open until closed
+        with pytest.raises(QueueFullError, match="2 requests open"):
+            await anext(aengine.generate("r2", add("r2")))
+        for stream in open_streams:
+            await stream.aclose()
+        last = 0
+        async for batch in aengine.generate("r3", add("r3")):  # room again
+            last = batch[-1].finished
+        return last
+
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        aengine.stop()
+    assert WORKER_ERROR_CODES[QueueFullError] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # ---- a real stack ------------------------------------------------------------------------------
 
 FLOOD = 24

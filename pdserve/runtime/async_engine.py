@@ -6,6 +6,11 @@ request is unfinished, and delivers each StepOutput to the asyncio queue of its 
 When the engine was idle, it waits a short batching window after the first arrival so
 that requests arriving together start in one batch.
 
+Bounded: at most `max_streams` requests are open at once (running, waiting, or on their way in);
+the next `generate` fails at once with QueueFullError (RESOURCE_EXHAUSTED at the worker's edge)
+without a trip to the engine thread. The engine's own waiting queue is bounded too
+(SchedulerConfig.max_waiting, `--max-waiting`); workers set `max_streams` from both flags.
+
 Observability (recording only, no behaviour): every step feeds `engine_metrics` (step time,
 batch size, queue time of each request's first token; running/waiting/KV gauges each loop turn).
 With tracing on, admitting a request is an "engine.admit" span under the RPC that asked, and each
@@ -28,7 +33,7 @@ from typing import Any, TypeVar
 
 from pdserve import telemetry
 from pdserve.runtime import engine_metrics
-from pdserve.runtime.engine import Engine, StepOutput
+from pdserve.runtime.engine import Engine, QueueFullError, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,9 +44,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, batch_window_s: float = 0.002) -> None:
+    def __init__(self, engine: Engine, batch_window_s: float = 0.002, max_streams: int | None = None) -> None:
         self.engine = engine
         self.batch_window_s = batch_window_s
+        self.max_streams = max_streams  # None: only the engine's waiting queue bounds requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -91,6 +97,9 @@ class AsyncEngine:
         consumer falls behind the engine, tokens are coalesced instead of queueing messages.
         Leaving early (client gone, cancellation, error) aborts the request and frees its KV.
         """
+        if self.max_streams is not None and len(self._streams) >= self.max_streams:
+            raise QueueFullError(f"worker has {len(self._streams)} requests open, its limit "
+                                 "(--max-waiting + --max-batch-size): retry later")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
         finished = False
