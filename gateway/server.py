@@ -50,6 +50,7 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
     `http_bind` ("host:port", port 0 picks one) also serves the HTTP API there; `http_server(server)`
     then tells its port. `model_name` is the id HTTP clients send as `model` (default: the
     checkpoint's file or directory name)."""
+    from gateway import auth, request_limits
     from gateway.flow import RequestFlow
     from gateway.limits import InflightLimit
     from gateway.service import GatewayServicer
@@ -60,7 +61,7 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
     prefill = await _start_pool("prefill", prefill_targets)
     decode = await _start_pool("decode", decode_targets)
     kvstore = KVStoreClient(kvstore_target, timeout_s=KVSTORE_TIMEOUT_S) if kvstore_target else None
-    flow = RequestFlow(model, prefill, decode, kvstore, InflightLimit(max_inflight))
+    flow = RequestFlow(model, prefill, decode, kvstore, InflightLimit(max_inflight), limits=request_limits.current())
     servicer = GatewayServicer(flow)
     http = None
     if http_bind is not None:
@@ -68,8 +69,11 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
         app = create_app(flow, model_name or default_model_name(model_path), servicer.slo)
         http = await start_http(app, http_bind)
     try:
+        # Public: API keys (gateway.auth) instead of the internal token; request size limit.
         server, port = await start_server(
-            bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME])
+            bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME],
+            public=True, interceptors=auth.grpc_interceptors(),
+            max_receive_bytes=request_limits.current().max_request_bytes)
     except BaseException:
         if http is not None:
             await http.close()
@@ -157,12 +161,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="model id of the HTTP API (default: the checkpoint's file or directory name)")
     parser.add_argument("--log-level", default="INFO")
+    from gateway import auth, request_limits
+
+    auth.add_arguments(parser)
+    request_limits.add_arguments(parser)
 
 
 async def run_until_signal(args: argparse.Namespace) -> None:
     """Serve with the parsed flags until SIGINT/SIGTERM, then stop gracefully."""
     if not 0 <= args.http_port < 65536:
         raise ValueError(f"--http-port must be in 0..65535 (0 disables the HTTP API), got {args.http_port}")
+    from gateway import auth, request_limits
+
+    request_limits.use(request_limits.limits_from_args(args))  # the flags, read once at start
+    auth.use(auth.keyring_from_args(args))
     server, port = await serve(args.bind, args.prefill, args.decode, args.kvstore, args.model,
                                args.block_size, args.kv_dtype, args.max_inflight,
                                http_bind=http_bind_of(args.bind, args.http_port),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import signal
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -60,13 +61,17 @@ class Stack:
         self.supervisor.stop_all()
 
 
-def start_stack(prefill: int = 2, decode: int = 2, *extra: str) -> Stack:
-    """Start the stack; `extra` are more `pdserve up` flags. The HTTP API is off unless `extra`
-    passes `--http-port PORT`: a fixed default port would collide between concurrent stacks."""
+def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str, str] | None = None) -> Stack:
+    """Start the stack; `extra` are more `pdserve up` flags, `env` more environment of every child
+    (e.g. PDSERVE_TLS_*: the health checks then dial as the children serve). The HTTP API is off
+    unless `extra` passes `--http-port PORT`: a fixed default port would collide between concurrent stacks."""
     args = build_parser().parse_args([
         "up", "--prefill", str(prefill), "--decode", str(decode), "--grpc-port", str(free_port()),
         "--threads", "1", "--http-port", "0", *extra])
     workers, gateway = plan(args)
+    if env:
+        workers = [replace(w, env=(*w.env, *env.items())) for w in workers]
+        gateway = replace(gateway, env=(*gateway.env, *env.items()))
     sup = Supervisor(grace_s=5.0)
     try:
         children = [sup.start(spec) for spec in workers]

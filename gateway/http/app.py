@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
+from gateway import auth, request_limits
 from gateway.flow import RequestFlow
 from gateway.http.errors import Handler, openai_errors
 from gateway.http.handlers import ApiHandlers
 from gateway.slo import SloMonitor
+from pdserve import tls
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 8 << 20  # a long chat history as JSON; aiohttp's default of 1 MiB is tight
 
 HTTP_REQUESTS = Counter("pdserve_gateway_http_requests", "HTTP API requests answered, by route and status",
                         ["route", "status"])
@@ -39,7 +39,9 @@ def create_app(flow: RequestFlow, model_name: str, slo: SloMonitor | None = None
     TTFTs feed `slo` (pass the gRPC servicer's, so one SLO window sees both APIs)."""
     h = ApiHandlers(flow, model_name, slo)
     # count_requests sits outside openai_errors, so it sees the error responses too.
-    app = web.Application(middlewares=[count_requests, openai_errors], client_max_size=MAX_BODY_BYTES)
+    # API keys (gateway.auth) inside openai_errors: refusals are OpenAI error JSON too.
+    app = web.Application(middlewares=[count_requests, openai_errors, *auth.http_middlewares()],
+                          client_max_size=request_limits.current().max_request_bytes)
     app.router.add_post("/v1/chat/completions", h.chat_completions)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
@@ -77,12 +79,14 @@ async def start_http(app: web.Application, bind: str, grace_s: float = 5.0) -> H
     # request's downstream calls (the default would let it run on, holding KV, until the next write).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    config = tls.current()  # HTTPS with the process's certificate when it has one (pdserve.tls)
+    site = web.TCPSite(runner, host, port, ssl_context=config.http_ssl_context() if config.serves_tls else None)
     try:
         await site.start()
     except OSError as err:
         await runner.cleanup()
         raise OSError(f"cannot bind the HTTP API to {bind!r}: {err.strerror or err}") from err
     bound = runner.addresses[0][1]  # the real port when 0 asked for a free one
-    log.info("HTTP API on http://%s:%d (OpenAI-compatible /v1, chat page at /)", host, bound)
+    log.info("HTTP API on %s://%s:%d (OpenAI-compatible /v1, chat page at /)",
+             "https" if config.serves_tls else "http", host, bound)
     return HttpServer(runner, host, bound)

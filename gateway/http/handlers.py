@@ -112,7 +112,8 @@ class ApiHandlers:
                            code="context_length_exceeded" if "context window" in str(err) else None) from None
         window = self.flow.model.context_window
         room = window - prompt_len
-        max_tokens = room if api.max_tokens is None else api.max_tokens
+        # The default is capped by the gateway's --max-tokens-limit (request_limits); an explicit value over it fails.
+        max_tokens = min(room, self.flow.limits.max_tokens) if api.max_tokens is None else api.max_tokens
         if max_tokens > room:
             raise ApiError(
                 400, f"this model's context window is {window} tokens; the prompt has {prompt_len} and "

@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from pdserve.tls import TlsConfig
+
 NAME = "up"
 HELP = "run kvstore, prefill and decode workers and the gateway as local child processes"
 
@@ -185,7 +187,7 @@ class Supervisor:
             if dead is not None:
                 raise StartupError(f"{describe_exit(dead)} while starting up; its last output:\n"
                                    f"{dead.last_output()}")
-            pending = [c for c in pending if not is_serving(c.spec.address, timeout_s=1.0)]
+            pending = [c for c in pending if not is_serving(c.spec.address, timeout_s=1.0, config=_tls_of(c))]
             if pending and time.monotonic() > deadline:
                 c = pending[0]
                 raise StartupError(f"{c.spec.name} ({c.spec.address}) did not report SERVING within "
@@ -216,6 +218,11 @@ class Supervisor:
                       file=sys.stderr)
                 _signal_group(child, signal.SIGKILL)
                 child.proc.wait()
+
+
+def _tls_of(child: Child) -> TlsConfig:
+    """The TLS the child serves (PDSERVE_TLS_* of its environment), to health-check it with."""
+    return TlsConfig.from_env({**os.environ, **dict(child.spec.env)})
 
 
 def _signal_group(child: Child, sig: int) -> None:
