@@ -1,11 +1,13 @@
 """Runs the gateway: `pdserve gateway` or `python -m gateway.server`.
 
-`serve` loads the model's tokenizer and config (the checkpoint loader also loads the weights,
-which the gateway does not need: fine for small models, to be slimmed later), builds the worker
-pools and the request flow, probes the workers once and starts the gRPC server. With `http_bind`
-(`--http-port`, default 8000, 0 disables) it also starts the OpenAI-compatible HTTP API and chat
-page (`gateway.http`) over the same flow, on the same asyncio loop, before the gRPC server: once
-gRPC health says SERVING, the HTTP port answers too.
+`serve` loads the model's tokenizer and config (the weights are never read), builds the worker
+pools and the request flow of one deployment, probes the workers once and starts the gRPC server.
+`serve_config` does the same for every deployment of a config file (`--config`, see
+docs/experiments.md) and adds its A/B experiments; both hand a `deployments.Catalog` to
+`serve_catalog`. `build_flow` is the one place a deployment's `RequestFlow` is made. With
+`http_bind` (`--http-port`, default 8000, 0 disables) the gateway also starts the
+OpenAI-compatible HTTP API and chat page (`gateway.http`) over the same catalog, on the same
+asyncio loop, before the gRPC server: once gRPC health says SERVING, the HTTP port answers too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import weakref
 from typing import TYPE_CHECKING
@@ -23,9 +26,13 @@ import grpc
 from pdserve.grpc_server import serve_until_signal, start_server, stop_server
 
 if TYPE_CHECKING:
-    from gateway.flow import ModelInfo
+    from gateway.deployments import Catalog, Deployment
+    from gateway.experiments.serve_config import ServeConfig
+    from gateway.flow import ModelInfo, RequestFlow
     from gateway.http import HttpServer
+    from gateway.limits import InflightLimit
     from gateway.workers import WorkerPool
+    from kvstore.client import KVStoreClient
 
 log = logging.getLogger(__name__)
 
@@ -44,31 +51,85 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
                 kvstore_target: str | None, model_path: str | None, block_size: int = 16,
                 kv_dtype: str = "float32", max_inflight: int = 256, *, http_bind: str | None = None,
                 model_name: str | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start the gateway on `bind`; targets are `host:port` or `dns:///name:port` (a string may
-    list several, comma-separated). Returns (server, port); stop it with `stop(server)`.
+    """Start the gateway over one deployment on `bind`; targets are `host:port` or
+    `dns:///name:port` (a string may list several, comma-separated). Returns (server, port); stop
+    it with `stop(server)`.
 
     `http_bind` ("host:port", port 0 picks one) also serves the HTTP API there; `http_server(server)`
-    then tells its port. `model_name` is the id HTTP clients send as `model` (default: the
-    checkpoint's file or directory name)."""
-    from gateway import auth, request_limits
-    from gateway.flow import RequestFlow
+    then tells its port. `model_name` is the id clients send as `model` (default: the checkpoint's
+    file or directory name)."""
+    from gateway.deployments import Catalog
     from gateway.limits import InflightLimit
-    from gateway.service import GatewayServicer
+
+    name = model_name or default_model_name(model_path)
+    deployment = await start_deployment(name, model_path, block_size, kv_dtype, prefill_targets, decode_targets,
+                                        kvstore_target, InflightLimit(max_inflight))
+    return await serve_catalog(bind, Catalog([deployment]), http_bind=http_bind)
+
+
+async def serve_config(bind: str, config: ServeConfig, max_inflight: int = 256, *, http_bind: str | None = None,
+                       seed: int | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start the gateway over every deployment and experiment of `config` (its targets filled in);
+    `seed` makes the experiments' arm choices reproducible. Returns (server, port)."""
+    from gateway.deployments import Catalog, Deployment
+    from gateway.experiments.live import LiveExperiment
+    from gateway.limits import InflightLimit
+
+    config.require_targets()
+    limit = InflightLimit(max_inflight)  # one gateway-wide bound over all deployments
+    deployments: list[Deployment] = []
+    try:
+        for dep in config.deployments.values():
+            deployments.append(await start_deployment(
+                dep.name, dep.model, dep.block_size, dep.kv_dtype, dep.prefill_targets, dep.decode_targets,
+                dep.kvstore_target, limit))
+    except BaseException:
+        for started in deployments:
+            await started.close()
+        raise
+    experiments = [LiveExperiment(cfg, seed=seed) for cfg in config.experiments.values()]
+    return await serve_catalog(bind, Catalog(deployments, experiments, config.default_model), http_bind=http_bind)
+
+
+async def start_deployment(name: str, model_path: str | None, block_size: int, kv_dtype: str,
+                           prefill_targets: Sequence[str] | str, decode_targets: Sequence[str] | str,
+                           kvstore_target: str | None, limit: InflightLimit) -> Deployment:
+    """One deployment: its model info, worker pools (probed once), kvstore client and request flow."""
+    from gateway.deployments import Deployment
     from kvstore.client import KVStoreClient
-    from pdserve.v1 import gateway_pb2_grpc
 
     model = await asyncio.to_thread(load_model_info, model_path, block_size, kv_dtype)
     prefill = await _start_pool("prefill", prefill_targets)
     decode = await _start_pool("decode", decode_targets)
     kvstore = KVStoreClient(kvstore_target, timeout_s=KVSTORE_TIMEOUT_S) if kvstore_target else None
-    flow = RequestFlow(model, prefill, decode, kvstore, InflightLimit(max_inflight), limits=request_limits.current())
-    servicer = GatewayServicer(flow)
+    return Deployment(name, build_flow(model, prefill, decode, kvstore, limit))
+
+
+def build_flow(model: ModelInfo, prefill: WorkerPool, decode: WorkerPool, kvstore: KVStoreClient | None,
+               limit: InflightLimit) -> RequestFlow:
+    """The request flow of one deployment (the one place a RequestFlow is built)."""
+    from gateway import request_limits
+    from gateway.admission import admission_for
+    from gateway.flow import RequestFlow
+
+    admission = admission_for(limit, prefill.routable_count)  # SLO-aware under the cap when on
+    return RequestFlow(model=model, prefill=prefill, decode=decode, kvstore=kvstore, limit=admission,
+                       limits=request_limits.current())
+
+
+async def serve_catalog(bind: str, catalog: Catalog, *, http_bind: str | None = None
+                        ) -> tuple[grpc.aio.Server, int]:
+    """Serve `catalog` over gRPC on `bind` (and HTTP on `http_bind`); the server owns it from here."""
+    from gateway import auth, request_limits
+    from gateway.service import GatewayServicer
+    from pdserve.v1 import gateway_pb2_grpc
+
+    servicer = GatewayServicer(catalog)
     http = None
-    if http_bind is not None:
-        from gateway.http import create_app, start_http
-        app = create_app(flow, model_name or default_model_name(model_path), servicer.slo)
-        http = await start_http(app, http_bind)
     try:
+        if http_bind is not None:
+            from gateway.http import create_app, start_http
+            http = await start_http(create_app(catalog, slo=servicer.slo), http_bind)
         # Public: API keys (gateway.auth) instead of the internal token; request size limit.
         server, port = await start_server(
             bind, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), [SERVICE_NAME],
@@ -77,9 +138,10 @@ async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets:
     except BaseException:
         if http is not None:
             await http.close()
+        await catalog.close()
         raise
     # HTTP first: its streams run on the pools and must end before the pools close.
-    _owned[server] = [*([http] if http else []), prefill, decode, *([kvstore] if kvstore else [])]
+    _owned[server] = [*([http] if http else []), catalog]
     if http is not None:
         _http_of[server] = http
     return server, port
@@ -141,17 +203,27 @@ async def _start_pool(kind: str, targets: Sequence[str] | str) -> WorkerPool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The gateway's flags (shared by `pdserve gateway` and `python -m gateway.server`)."""
     parser.add_argument("--bind", default=DEFAULT_BIND, help="host:port to listen on")
-    parser.add_argument("--prefill", required=True, metavar="TARGET[,TARGET...]",
-                        help="prefill workers: host:port, or dns:///name:port for every address of a name")
-    parser.add_argument("--decode", required=True, metavar="TARGET[,TARGET...]",
-                        help="decode workers: host:port, or dns:///name:port for every address of a name")
+    parser.add_argument("--prefill", default=None, metavar="TARGET[,TARGET...]",
+                        help="prefill workers: host:port, or dns:///name:port for every address of a name "
+                             "(required without --config)")
+    parser.add_argument("--decode", default=None, metavar="TARGET[,TARGET...]",
+                        help="decode workers: host:port, or dns:///name:port for every address of a name "
+                             "(required without --config)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="TOML file of named deployments and A/B experiments (docs/experiments.md); "
+                             "replaces --prefill/--decode/--kvstore/--model/--block-size/--kv-dtype")
+    parser.add_argument("--deployment-targets", action="append", default=[], metavar="NAME:KIND=ADDR[,ADDR]",
+                        help="with --config: the prefill, decode or kvstore targets of a deployment "
+                             "(KIND is prefill, decode or kvstore; repeatable; overrides the file)")
+    parser.add_argument("--experiment-seed", type=int, default=None,
+                        help="seed of the experiments' random arm choices (default: unseeded)")
     parser.add_argument("--kvstore", default=None, metavar="ADDR",
                         help="kvstore host:port (prefix lookups and lease cleanup; optional)")
     parser.add_argument("--model", default=None,
                         help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, "
                              "else the bundled stories260K); must be the workers' model")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (as the workers)")
-    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8", "fp8_e4m3"],
                         help="KV dtype (as the workers)")
     parser.add_argument("--max-inflight", type=int, default=256,
                         help="requests in flight before new ones get RESOURCE_EXHAUSTED (HTTP 429)")
@@ -160,6 +232,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(0 disables it)")
     parser.add_argument("--served-model-name", default=None,
                         help="model id of the HTTP API (default: the checkpoint's file or directory name)")
+    parser.add_argument("--admission-ttft-slo-ms", type=float, default=None, metavar="MS",
+                        help="refuse requests whose predicted TTFT exceeds MS with RESOURCE_EXHAUSTED "
+                             "(HTTP 429) and a retry-after hint (default: $PDSERVE_ADMISSION_TTFT_SLO_MS, "
+                             "else 0 = off; docs/overload.md)")
     parser.add_argument("--log-level", default="INFO")
     from gateway import auth, request_limits
 
@@ -171,14 +247,29 @@ async def run_until_signal(args: argparse.Namespace) -> None:
     """Serve with the parsed flags until SIGINT/SIGTERM, then stop gracefully."""
     if not 0 <= args.http_port < 65536:
         raise ValueError(f"--http-port must be in 0..65535 (0 disables the HTTP API), got {args.http_port}")
+    http_bind = http_bind_of(args.bind, args.http_port)
     from gateway import auth, request_limits
 
     request_limits.use(request_limits.limits_from_args(args))  # the flags, read once at start
     auth.use(auth.keyring_from_args(args))
-    server, port = await serve(args.bind, args.prefill, args.decode, args.kvstore, args.model,
-                               args.block_size, args.kv_dtype, args.max_inflight,
-                               http_bind=http_bind_of(args.bind, args.http_port),
-                               model_name=args.served_model_name)
+    if args.admission_ttft_slo_ms is not None:  # read by gateway.admission.admission_for
+        if args.admission_ttft_slo_ms < 0:
+            raise ValueError(f"--admission-ttft-slo-ms must be >= 0 (0 = off), got {args.admission_ttft_slo_ms:g}")
+        os.environ["PDSERVE_ADMISSION_TTFT_SLO_MS"] = str(args.admission_ttft_slo_ms)
+    if args.config:
+        from gateway.experiments.serve_config import load_serve_config
+
+        config = load_serve_config(args.config).with_targets(args.deployment_targets)
+        server, port = await serve_config(args.bind, config, args.max_inflight, http_bind=http_bind,
+                                          seed=args.experiment_seed)
+    else:
+        if not args.prefill or not args.decode:
+            raise ValueError("--prefill and --decode are required (or --config FILE with deployments)")
+        if args.deployment_targets:
+            raise ValueError("--deployment-targets needs --config FILE")
+        server, port = await serve(args.bind, args.prefill, args.decode, args.kvstore, args.model,
+                                   args.block_size, args.kv_dtype, args.max_inflight,
+                                   http_bind=http_bind, model_name=args.served_model_name)
     log.info("gateway listening on port %d", port)
     try:
         await serve_until_signal(server)
@@ -194,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(run_until_signal(args))
-    except (ValueError, OSError, ModelLoadError) as err:
+    except (ValueError, OSError, ModelLoadError) as err:  # ExperimentConfigError is a ValueError
         print(f"pdserve gateway: {err}", file=sys.stderr)
         return 2
     return 0

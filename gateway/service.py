@@ -1,6 +1,9 @@
-"""gRPC servicer of pdserve.v1.Gateway: protobuf in, `RequestFlow`, protobuf out.
+"""gRPC servicer of pdserve.v1.Gateway: protobuf in, `Catalog` (route, `RequestFlow`), protobuf out.
 
-Both RPCs stream `GenerateResponse` chunks. Errors become statuses through `abort_on`:
+Generate and Chat stream `GenerateResponse` chunks; the request's `model` names a deployment or an
+experiment (`gateway.deployments`), empty means the gateway's default, and every chunk names the
+deployment that served it. Feedback joins a client's score to a recent request of an experiment;
+ExperimentReport returns every arm's statistics (`pdserve experiment report`). Errors become statuses through `abort_on`:
 ValueError (bad prompt or sampling values) -> INVALID_ARGUMENT, `ServiceError` -> its own code
 (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...), both with a one-line message.
 
@@ -13,18 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
 from gateway.convert import logprob_to_proto, sampling_from_proto
+from gateway.deployments import Catalog, as_catalog
+from gateway.experiments.report import ArmReport
 from gateway.flow import GenerationRequest, RequestFlow
 from gateway.observe import observe_request
 from gateway.output import OutputChunk
 from gateway.slo import SloMonitor
 from pdserve.grpc_server import abort_on
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
@@ -39,10 +49,11 @@ def generation_request(msg: gateway_pb2.GenerateRequest | gateway_pb2.ChatReques
     return GenerationRequest(request_id, sampling, prompt=msg.prompt, session_id=msg.session_id)
 
 
-def response_of(request_id: str, chunk: OutputChunk) -> gateway_pb2.GenerateResponse:
+def response_of(request_id: str, chunk: OutputChunk, deployment: str = "") -> gateway_pb2.GenerateResponse:
     msg = gateway_pb2.GenerateResponse(
         request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
-        logprobs=[logprob_to_proto(lp) for lp in chunk.logprobs], finish_reason=chunk.finish_reason)
+        logprobs=[logprob_to_proto(lp) for lp in chunk.logprobs], finish_reason=chunk.finish_reason,
+        deployment=deployment)
     if chunk.usage is not None:
         u = chunk.usage
         msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=u.prompt_tokens,
@@ -51,33 +62,57 @@ def response_of(request_id: str, chunk: OutputChunk) -> gateway_pb2.GenerateResp
     return msg
 
 
-class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Serves Generate and Chat by running each request through one RequestFlow."""
+def arm_report_to_proto(row: ArmReport) -> gateway_pb2.ArmReport:
+    return gateway_pb2.ArmReport(**dataclasses.asdict(row))
 
-    def __init__(self, flow: RequestFlow, slo: SloMonitor | None = None) -> None:
-        self.flow = flow
-        self.slo = slo or SloMonitor(replicas=lambda: sum(ep.healthy for ep in flow.prefill_pool.endpoints))
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Serves Generate and Chat by routing each request (`Catalog`) through a deployment's RequestFlow."""
+
+    def __init__(self, catalog: Catalog | RequestFlow, slo: SloMonitor | None = None) -> None:
+        catalog = self.catalog = as_catalog(catalog)  # a bare flow: one deployment, the default
+        pools = [d.flow.prefill_pool for d in catalog.deployments.values()]
+        self.slo = slo or SloMonitor(replicas=lambda: sum(ep.healthy for p in pools for ep in p.endpoints))
         self._slo_task: asyncio.Task | None = None
 
     @abort_on()
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        async for msg in self._stream(generation_request(request), context):
+        async for msg in self._stream(generation_request(request), context, request.model):
             yield msg
 
     @abort_on()
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        async for msg in self._stream(generation_request(request), context):
+        async for msg in self._stream(generation_request(request), context, request.model):
             yield msg
 
-    async def _stream(self, request: GenerationRequest, context: grpc.aio.ServicerContext
+    @abort_on()
+    async def Feedback(self, request: gateway_pb2.FeedbackRequest, context: grpc.aio.ServicerContext
+                       ) -> gateway_pb2.FeedbackResponse:
+        if not request.request_id:
+            raise ValueError("request_id is required: the request_id of the response being scored")
+        experiment, arm, reward = self.catalog.feedback(request.request_id, request.score)
+        if request.comment:
+            log.info("feedback on %s (%s/%s) %g: %s", request.request_id, experiment, arm, request.score,
+                     request.comment[:500])
+        return gateway_pb2.FeedbackResponse(experiment=experiment, arm=arm,
+                                            reward=reward if reward is not None else 0.0)
+
+    @abort_on()
+    async def ExperimentReport(self, request: gateway_pb2.ExperimentReportRequest,
+                               context: grpc.aio.ServicerContext) -> gateway_pb2.ExperimentReportResponse:
+        return gateway_pb2.ExperimentReportResponse(arms=[arm_report_to_proto(r) for r in self.catalog.report()])
+
+    async def _stream(self, request: GenerationRequest, context: grpc.aio.ServicerContext, model: str = ""
                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._start_slo_tick()
         with observe_request(request.request_id, request.session_id, self.slo) as obs:
-            async for chunk in self.flow.run(request, context.time_remaining):
-                obs.chunk(len(chunk.token_ids))
-                yield response_of(request.request_id, chunk)
+            route = self.catalog.route(model, request)
+            async with aclosing(self.catalog.run(route, request, context.time_remaining)) as stream:
+                async for chunk in stream:
+                    obs.chunk(len(chunk.token_ids))
+                    yield response_of(request.request_id, chunk, route.deployment.name)
 
     def _start_slo_tick(self) -> None:
         if self._slo_task is None or self._slo_task.done():

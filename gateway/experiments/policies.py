@@ -3,6 +3,7 @@
 Every policy has the same interface:
   * `choose(rng) -> arm`: the arm for the next request (counts as a pull of that arm);
   * `update(arm, reward)`: a reward in [0, 1] observed for a request that arm served;
+    `revise(arm, old, new)` replaces one such reward (late client feedback);
   * `allocation() -> {arm: share}`: the share of traffic each arm gets on the next request, as the
     policy intends it now (it sums to 1 over the arms that are up);
   * `mark_down(arm)` / `mark_up(arm)`: an arm that is down is never chosen until it comes back.
@@ -106,6 +107,15 @@ class Policy:
         stats = self.stats[arm]
         stats.rewards += 1
         stats.reward_sum += reward
+
+    def revise(self, arm: str, old: float, new: float) -> None:
+        """Replace a reward recorded by `update` (a client's late feedback changes it)."""
+        self._check_arm(arm)
+        if not (0.0 <= old <= 1.0 and 0.0 <= new <= 1.0):
+            raise ValueError(f"rewards must be in [0, 1], got {old} -> {new}")
+        if self.stats[arm].rewards == 0:
+            raise ValueError(f"arm {arm!r} has no reward to revise")
+        self.stats[arm].reward_sum += new - old
 
     def allocation(self) -> dict[str, float]:
         """The intended share of the next request per arm (0 for arms that are down)."""

@@ -1,9 +1,10 @@
 """The gateway's OpenAI-compatible HTTP/SSE API and its chat page, on the gRPC server's event loop.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or whole; OpenAI's shapes)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics, /   (the chat page)
+    POST /v1/feedback                                 (a client's score of a request, for A/B experiments)
+    GET  /v1/models, /v1/models/{id}, /v1/experiments, /health, /metrics, /   (the chat page)
 
-Modules: `app` (routes, server start/stop), `handlers` (endpoints over `RequestFlow`),
+Modules: `app` (routes, server start/stop), `handlers` (endpoints over the `deployments.Catalog`),
 `openai_schema` (OpenAI JSON <-> the gateway's dataclasses), `sse` (event framing),
 `errors` (OpenAI error JSON, one status mapping), `static/index.html` (the page).
 See docs/http-api.md.

@@ -13,6 +13,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from gateway import auth, request_limits
+from gateway.deployments import Catalog, as_catalog
 from gateway.flow import RequestFlow
 from gateway.http.errors import Handler, openai_errors
 from gateway.http.handlers import ApiHandlers
@@ -34,10 +35,12 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     return response
 
 
-def create_app(flow: RequestFlow, model_name: str, slo: SloMonitor | None = None) -> web.Application:
-    """The HTTP API over `flow`, serving `model_name` (the id clients send as `model`); its requests'
-    TTFTs feed `slo` (pass the gRPC servicer's, so one SLO window sees both APIs)."""
-    h = ApiHandlers(flow, model_name, slo)
+def create_app(catalog: Catalog | RequestFlow, model_name: str = "default", slo: SloMonitor | None = None
+               ) -> web.Application:
+    """The HTTP API over `catalog` (its public names are what clients send as `model`; a bare flow is
+    one deployment called `model_name`); its requests' TTFTs feed `slo` (pass the gRPC servicer's,
+    so one SLO window sees both APIs)."""
+    h = ApiHandlers(as_catalog(catalog, model_name), slo)
     # count_requests sits outside openai_errors, so it sees the error responses too.
     # API keys (gateway.auth) inside openai_errors: refusals are OpenAI error JSON too.
     app = web.Application(middlewares=[count_requests, openai_errors, *auth.http_middlewares()],
@@ -46,6 +49,8 @@ def create_app(flow: RequestFlow, model_name: str, slo: SloMonitor | None = None
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/v1/models/{model}", h.model)
+    app.router.add_post("/v1/feedback", h.feedback)
+    app.router.add_get("/v1/experiments", h.experiments)
     app.router.add_get("/health", h.health)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/", h.index)

@@ -1,7 +1,10 @@
-"""The HTTP API's handlers over the gateway's `RequestFlow` (the same one the gRPC API uses).
+"""The HTTP API's handlers over the gateway's `Catalog` of deployments (the same one the gRPC API uses).
 
-A completion request goes: JSON body -> `ApiRequest` (openai_schema) -> prompt length checked and
-the default max_tokens filled in (`_fit`) -> `flow.run`. The first chunk is awaited *before* the
+A completion request goes: JSON body -> `ApiRequest` (openai_schema) -> its `model` routed to a
+deployment, through an experiment's sticky arm choice when it names one (`Catalog.route`; 404
+naming the served models when unknown) -> prompt length checked against that deployment and the
+default max_tokens filled in (`_fit`) -> `Catalog.run` (the deployment's flow; the experiment
+learns the outcome). The response names the public model; `X-Pdserve-Deployment` the deployment. The first chunk is awaited *before* the
 response starts, so every error the flow raises up to the first token (prompt too long, queue
 full, no workers) still gets its own HTTP status; after that a stream can only report an error
 as an SSE event (`{"error": {...}}`, which OpenAI's SDK raises as APIError).
@@ -27,6 +30,7 @@ from importlib import resources
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from gateway.deployments import Catalog, Route, UnknownModel
 from gateway.flow import GenerationRequest, RequestFlow
 from gateway.http.errors import ApiError, api_error_of, json_dumps
 from gateway.http.openai_schema import (ApiRequest, chunk_json, completion_json, parse_chat, parse_completion,
@@ -35,6 +39,8 @@ from gateway.http.sse import SSEWriter
 from gateway.observe import RequestObserver, observe_request
 from gateway.output import OutputChunk
 from gateway.slo import SloMonitor
+
+DEPLOYMENT_HEADER = "X-Pdserve-Deployment"  # the deployment (an experiment's arm) that served the request
 
 # The chat page's Content-Security-Policy: everything it needs is inline or from this origin,
 # so the browser refuses any third-party fetch (no CDN can sneak in).
@@ -55,10 +61,9 @@ def load_page() -> bytes:
 class ApiHandlers:
     """Serves the OpenAI-compatible endpoints, health, metrics and the chat page."""
 
-    def __init__(self, flow: RequestFlow, model_name: str, slo: SloMonitor | None = None) -> None:
-        self.flow = flow
+    def __init__(self, catalog: Catalog, slo: SloMonitor | None = None) -> None:
+        self.catalog = catalog
         self.slo = slo  # the gRPC servicer's, so that one SLO window sees both APIs
-        self.model_name = model_name
         self.created = int(time.time())
         self.page = load_page()
 
@@ -71,20 +76,21 @@ class ApiHandlers:
         return await self._complete(request, parse_completion(await _json_body(request)))
 
     async def _complete(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
-        self._check_model(api.model)
-        gen = self._fit(api)
+        route = self._route(api.model, api.request)
+        gen = self._fit(api, route.deployment.flow)
         headers = {"X-Request-Id": gen.request_id}
         sse: SSEWriter | None = None
         try:
             # The same request metrics, span and SLO feed as a gRPC request (gateway.observe): the
             # exception leaving this block (or none) is the status it records.
             with observe_request(gen.request_id, gen.session_id, self.slo) as obs:
-                stream = self.flow.run(gen, no_deadline)
+                stream = self.catalog.run(route, gen, no_deadline)
                 async with aclosing(stream):  # however we leave, the flow's downstream calls end
                     chunks = _observed(stream, obs)
                     first = await anext(chunks, None)  # errors up to the first token keep their status
                     if first is None:
                         raise ApiError(500, "the request ended without output", type="server_error")
+                    headers[DEPLOYMENT_HEADER] = route.deployment.name  # known once the first token came
                     if not api.stream:
                         return await self._whole(api, first, chunks, headers)
                     sse = SSEWriter(request, headers)
@@ -98,7 +104,7 @@ class ApiHandlers:
             await sse.send(api_error_of(exc).body())
             return sse.response
 
-    def _fit(self, api: ApiRequest) -> GenerationRequest:
+    def _fit(self, api: ApiRequest, flow: RequestFlow) -> GenerationRequest:
         """The request with max_tokens filled in: what was asked, else all the room the context
         leaves after the prompt (OpenAI's default); 400 when the prompt and max_tokens do not fit."""
         req = api.request
@@ -106,14 +112,14 @@ class ApiHandlers:
             # With max_tokens=1 the flow's own check fails only for a prompt that alone fills the
             # window; the fit with the real max_tokens is checked below, naming the right field.
             probe = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=1))
-            prompt_len = len(self.flow.tokenize(probe))
+            prompt_len = len(flow.tokenize(probe))
         except ValueError as err:
             raise ApiError(400, str(err), param=api.prompt_param,
                            code="context_length_exceeded" if "context window" in str(err) else None) from None
-        window = self.flow.model.context_window
+        window = flow.model.context_window
         room = window - prompt_len
         # The default is capped by the gateway's --max-tokens-limit (request_limits); an explicit value over it fails.
-        max_tokens = min(room, self.flow.limits.max_tokens) if api.max_tokens is None else api.max_tokens
+        max_tokens = min(room, flow.limits.max_tokens) if api.max_tokens is None else api.max_tokens
         if max_tokens > room:
             raise ApiError(
                 400, f"this model's context window is {window} tokens; the prompt has {prompt_len} and "
@@ -131,54 +137,85 @@ class ApiHandlers:
             texts.append(chunk.text)
             last = chunk
         assert last.usage is not None  # the flow's last chunk always carries it
-        body = completion_json(api, self.model_name, "".join(texts), last.finish_reason, last.usage)
+        body = completion_json(api, api.model, "".join(texts), last.finish_reason, last.usage)
         return web.json_response(body, headers=headers, dumps=json_dumps)
 
     async def _send_events(self, sse: SSEWriter, api: ApiRequest, first: OutputChunk,
                            rest: AsyncIterator[OutputChunk]) -> None:
         """Role (chat), text deltas, the finish reason, the usage when asked; not [DONE]."""
         if api.kind == "chat":
-            await sse.send(chunk_json(api, self.model_name, role=True))
+            await sse.send(chunk_json(api, api.model, role=True))
         chunk: OutputChunk | None = first
         while chunk is not None:
             if chunk.text:
-                await sse.send(chunk_json(api, self.model_name, text=chunk.text))
+                await sse.send(chunk_json(api, api.model, text=chunk.text))
             if chunk.finish_reason:
-                await sse.send(chunk_json(api, self.model_name, finish_reason=chunk.finish_reason))
+                await sse.send(chunk_json(api, api.model, finish_reason=chunk.finish_reason))
                 if api.include_usage and chunk.usage is not None:
-                    await sse.send(usage_chunk_json(api, self.model_name, chunk.usage))
+                    await sse.send(usage_chunk_json(api, api.model, chunk.usage))
                 return
             chunk = await anext(rest, None)
         raise ApiError(500, "the request ended without a finish reason", type="server_error")
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this gateway serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def _route(self, model: str, request: GenerationRequest) -> Route:
+        try:
+            return self.catalog.route(self.catalog.check_name(model), request)  # HTTP has no default model
+        except UnknownModel as err:
+            raise ApiError(404, str(err), param="model", code="model_not_found") from None
 
     # ---- models, health, metrics, page -------------------------------------------------------
 
-    def _model_json(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdserve",
-                "max_model_len": self.flow.model.context_window}
+    def _model_json(self, name: str) -> dict:
+        """A deployment as OpenAI lists a model; an experiment also names its arms."""
+        body = {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve"}
+        exp = self.catalog.experiments.get(name)
+        if exp is not None:
+            window = min(self.catalog.deployments[a].model.context_window for a in exp.config.arms)
+            return {**body, "max_model_len": window, "pdserve_experiment": {"arms": list(exp.config.arms),
+                                                                            "policy": exp.config.policy}}
+        return {**body, "max_model_len": self.catalog.deployments[name].model.context_window}
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_json()]}, dumps=json_dumps)
+        data = [self._model_json(name) for name in self.catalog.names()]
+        return web.json_response({"object": "list", "data": data}, dumps=json_dumps)
 
     async def model(self, request: web.Request) -> web.Response:
-        self._check_model(request.match_info["model"])
-        return web.json_response(self._model_json(), dumps=json_dumps)
+        name = request.match_info["model"]
+        try:
+            self.catalog.check_name(name)
+        except UnknownModel as err:
+            raise ApiError(404, str(err), param="model", code="model_not_found") from None
+        return web.json_response(self._model_json(name), dumps=json_dumps)
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 when at least one prefill and one decode worker answer their health probe, else 503."""
-        pools = {"prefill": self.flow.prefill_pool, "decode": self.flow.decode_pool}
-        counts = {kind: {"healthy": sum(ep.healthy for ep in pool.endpoints), "total": len(pool.endpoints)}
-                  for kind, pool in pools.items()}
-        ok = all(c["healthy"] > 0 for c in counts.values())
-        body = {"status": "ok" if ok else "unavailable", **counts}
+        """200 when some deployment has a prefill and a decode worker answering probes, else 503."""
+        deployments = list(self.catalog.deployments.values())
+        counts = {kind: {"healthy": sum(ep.healthy for d in deployments for ep in _pool(d.flow, kind).endpoints),
+                         "total": sum(len(_pool(d.flow, kind).endpoints) for d in deployments)}
+                  for kind in ("prefill", "decode")}
+        ok = any(d.healthy for d in deployments)
+        body: dict = {"status": "ok" if ok else "unavailable", **counts}
+        if len(deployments) > 1:
+            body["deployments"] = {d.name: "ok" if d.healthy else "unavailable" for d in deployments}
         if not ok:
-            body["detail"] = "; ".join(f"{kind}: {pool.describe()}" for kind, pool in pools.items())
+            body["detail"] = "; ".join(
+                f"{d.name + ' ' if len(deployments) > 1 else ''}{kind}: {_pool(d.flow, kind).describe()}"
+                for d in deployments for kind in ("prefill", "decode"))
         return web.json_response(body, status=200 if ok else 503, dumps=json_dumps)
+
+    # ---- experiments -------------------------------------------------------------------------
+
+    async def feedback(self, request: web.Request) -> web.Response:
+        """POST /v1/feedback {"request_id", "score", "comment"?}: join a client's score to its request."""
+        request_id, score = parse_feedback(await _json_body(request))
+        experiment, arm, reward = self.catalog.feedback(request_id, score)  # 404 / 400 via openai_errors
+        return web.json_response({"request_id": request_id, "experiment": experiment, "arm": arm,
+                                  "reward": reward}, dumps=json_dumps)
+
+    async def experiments(self, request: web.Request) -> web.Response:
+        """GET /v1/experiments: the per-arm report (`pdserve experiment report` reads it over gRPC)."""
+        rows = [dataclasses.asdict(row) for row in self.catalog.report()]
+        return web.json_response({"object": "list", "data": rows}, dumps=json_dumps)
 
     async def metrics(self, request: web.Request) -> web.Response:
         # CONTENT_TYPE_LATEST carries parameters (version, charset), which aiohttp's content_type= refuses
@@ -195,6 +232,30 @@ async def _observed(stream: AsyncIterator[OutputChunk], obs: RequestObserver) ->
     async for chunk in stream:
         obs.chunk(len(chunk.token_ids))
         yield chunk
+
+
+def _pool(flow: RequestFlow, kind: str):
+    return flow.prefill_pool if kind == "prefill" else flow.decode_pool
+
+
+def parse_feedback(body: object) -> tuple[str, float]:
+    """(request id, score) of a /v1/feedback body; ApiError 400 naming the bad field. OpenAI-style
+    response ids ("chatcmpl-<id>", "cmpl-<id>") are accepted as the request id they carry."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object with request_id and score")
+    request_id = body.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise ApiError(400, "request_id is required: the X-Request-Id header (or id) of the response being scored",
+                       param="request_id")
+    score = body.get("score")
+    if isinstance(score, bool) or not isinstance(score, int | float):
+        raise ApiError(400, f"score must be a number, got {score!r}", param="score")
+    comment = body.get("comment")
+    if comment is not None and not isinstance(comment, str):
+        raise ApiError(400, "comment must be a string", param="comment")
+    for prefix in ("chatcmpl-", "cmpl-"):
+        request_id = request_id.removeprefix(prefix)
+    return request_id, float(score)
 
 
 async def _json_body(request: web.Request) -> object:

@@ -9,6 +9,10 @@ finds the workers healthy) and waits for it too. It then prints exactly one line
 `http=` is where the gateway serves the OpenAI-compatible HTTP API and the chat page
 (--http-port; `http=off` when it is 0).
 
+With --config FILE it starts every deployment of the file instead (each with its own kvstore,
+prefill and decode workers; see `pdserve.deploy_plan` and docs/experiments.md) and one gateway over
+all of them; the file is validated before anything starts.
+
 Everything the children print goes to stderr, each line prefixed with the child's name. Each
 child runs in its own process group; SIGINT/SIGTERM stop them all (SIGTERM to the group, SIGKILL
 after --grace-period) and `up` exits 0. A child that exits on its own, or does not come up in
@@ -49,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the gateway's OpenAI-compatible HTTP API and chat page (0 disables it)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: torch's default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
     p.add_argument("--kvstore-capacity-mb", type=float, default=1024, help="memory of the kvstore")
@@ -62,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds each phase may take to report SERVING")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds between SIGTERM and SIGKILL when stopping the children")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file of named deployments and A/B experiments (docs/experiments.md): starts "
+                        "every deployment's kvstore and workers and one gateway over all of them; "
+                        "--prefill/--decode/--num-blocks are the defaults of deployments that set none")
+    p.add_argument("--experiment-seed", type=int, default=None,
+                   help="with --config: seed of the gateway's random arm choices")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +123,12 @@ def port_in_use(host: str, port: int) -> str | None:
 
 def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     """The workers (with the kvstore) to start first, and the gateway to start once they serve."""
+    if getattr(args, "config", None):  # every deployment of the file: pdserve.deploy_plan
+        from pdserve.deploy_plan import plan_config
+
+        workers, gateway = plan_config(args)
+        return _with_metrics_ports([*workers, gateway], args.metrics_port_base) if args.metrics_port_base \
+            else (workers, gateway)
     loopback = "127.0.0.1"
     kv = f"{loopback}:{free_port()}"
     model = ("--model", args.model) if args.model else ()
@@ -263,6 +279,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         print("pdserve up: --prefill and --decode need at least 1 worker each", file=sys.stderr)
         return 2
+    if args.config:
+        from gateway.experiments.serve_config import ExperimentConfigError, load_serve_config
+
+        try:
+            load_serve_config(args.config)  # validated before anything starts
+        except ExperimentConfigError as err:
+            print(f"pdserve up: {args.config}: {err}", file=sys.stderr)
+            return 2
     if not 0 <= args.http_port < 65536:
         print(f"pdserve up: --http-port must be in 0..65535 (0 disables the HTTP API), got {args.http_port}",
               file=sys.stderr)

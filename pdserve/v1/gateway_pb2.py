@@ -25,21 +25,31 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"w\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8e\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage2\x93\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.pdserve.v1.ChatRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9d\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"\xc0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\ndeployment\x18\x07 \x01(\t\"E\n\x0f\x46\x65\x65\x64\x62\x61\x63kRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x0f\n\x07\x63omment\x18\x03 \x01(\t\"C\n\x10\x46\x65\x65\x64\x62\x61\x63kResponse\x12\x12\n\nexperiment\x18\x01 \x01(\t\x12\x0b\n\x03\x61rm\x18\x02 \x01(\t\x12\x0e\n\x06reward\x18\x03 \x01(\x01\"\x19\n\x17\x45xperimentReportRequest\"\xab\x02\n\tArmReport\x12\x12\n\nexperiment\x18\x01 \x01(\t\x12\x0b\n\x03\x61rm\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08requests\x18\x04 \x01(\x03\x12\r\n\x05share\x18\x05 \x01(\x01\x12\x10\n\x08rewarded\x18\x06 \x01(\x03\x12\x13\n\x0breward_mean\x18\x07 \x01(\x01\x12\x13\n\x0breward_ci95\x18\x08 \x01(\x01\x12\x12\n\nttft_p50_s\x18\t \x01(\x01\x12\x12\n\nttft_p99_s\x18\n \x01(\x01\x12\x12\n\ntpot_p50_s\x18\x0b \x01(\x01\x12\x12\n\ntpot_p99_s\x18\x0c \x01(\x01\x12\x0e\n\x06\x65rrors\x18\r \x01(\x03\x12\x10\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x0e \x01(\x03\x12\x12\n\nallocation\x18\x0f \x01(\x01\x12\n\n\x02up\x18\x10 \x01(\x08\"?\n\x18\x45xperimentReportResponse\x12#\n\x04\x61rms\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ArmReport2\xb9\x02\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.pdserve.v1.ChatRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x1b.pdserve.v1.FeedbackRequest\x1a\x1c.pdserve.v1.FeedbackResponse\x12]\n\x10\x45xperimentReport\x12#.pdserve.v1.ExperimentReportRequest\x1a$.pdserve.v1.ExperimentReportResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=65
-  _globals['_GENERATEREQUEST']._serialized_end=184
-  _globals['_CHATMESSAGE']._serialized_start=186
-  _globals['_CHATMESSAGE']._serialized_end=230
-  _globals['_CHATREQUEST']._serialized_start=233
-  _globals['_CHATREQUEST']._serialized_end=375
-  _globals['_GENERATERESPONSE']._serialized_start=378
-  _globals['_GENERATERESPONSE']._serialized_end=550
-  _globals['_GATEWAY']._serialized_start=553
-  _globals['_GATEWAY']._serialized_end=700
+  _globals['_GENERATEREQUEST']._serialized_start=66
+  _globals['_GENERATEREQUEST']._serialized_end=200
+  _globals['_CHATMESSAGE']._serialized_start=202
+  _globals['_CHATMESSAGE']._serialized_end=246
+  _globals['_CHATREQUEST']._serialized_start=249
+  _globals['_CHATREQUEST']._serialized_end=406
+  _globals['_GENERATERESPONSE']._serialized_start=409
+  _globals['_GENERATERESPONSE']._serialized_end=601
+  _globals['_FEEDBACKREQUEST']._serialized_start=603
+  _globals['_FEEDBACKREQUEST']._serialized_end=672
+  _globals['_FEEDBACKRESPONSE']._serialized_start=674
+  _globals['_FEEDBACKRESPONSE']._serialized_end=741
+  _globals['_EXPERIMENTREPORTREQUEST']._serialized_start=743
+  _globals['_EXPERIMENTREPORTREQUEST']._serialized_end=768
+  _globals['_ARMREPORT']._serialized_start=771
+  _globals['_ARMREPORT']._serialized_end=1070
+  _globals['_EXPERIMENTREPORTRESPONSE']._serialized_start=1072
+  _globals['_EXPERIMENTREPORTRESPONSE']._serialized_end=1135
+  _globals['_GATEWAY']._serialized_start=1138
+  _globals['_GATEWAY']._serialized_end=1451
 # @@protoc_insertion_point(module_scope)

@@ -45,6 +45,16 @@ class GatewayStub:
                 request_serializer=pdserve_dot_v1_dot_gateway__pb2.ChatRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Feedback = channel.unary_unary(
+                '/pdserve.v1.Gateway/Feedback',
+                request_serializer=pdserve_dot_v1_dot_gateway__pb2.FeedbackRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.FeedbackResponse.FromString,
+                _registered_method=True)
+        self.ExperimentReport = channel.unary_unary(
+                '/pdserve.v1.Gateway/ExperimentReport',
+                request_serializer=pdserve_dot_v1_dot_gateway__pb2.ExperimentReportRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_gateway__pb2.ExperimentReportResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -65,6 +75,21 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Feedback(self, request, context):
+        """A client's score of a finished request, joined by request id to the experiment arm that
+        served it (NOT_FOUND when the id is unknown, expired, or was not served by an experiment).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExperimentReport(self, request, context):
+        """Per arm of every experiment: requests, share, reward, latency percentiles, allocation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +102,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Chat,
                     request_deserializer=pdserve_dot_v1_dot_gateway__pb2.ChatRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Feedback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Feedback,
+                    request_deserializer=pdserve_dot_v1_dot_gateway__pb2.FeedbackRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.FeedbackResponse.SerializeToString,
+            ),
+            'ExperimentReport': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExperimentReport,
+                    request_deserializer=pdserve_dot_v1_dot_gateway__pb2.ExperimentReportRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_gateway__pb2.ExperimentReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +169,60 @@ class Gateway:
             '/pdserve.v1.Gateway/Chat',
             pdserve_dot_v1_dot_gateway__pb2.ChatRequest.SerializeToString,
             pdserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Feedback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Gateway/Feedback',
+            pdserve_dot_v1_dot_gateway__pb2.FeedbackRequest.SerializeToString,
+            pdserve_dot_v1_dot_gateway__pb2.FeedbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExperimentReport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Gateway/ExperimentReport',
+            pdserve_dot_v1_dot_gateway__pb2.ExperimentReportRequest.SerializeToString,
+            pdserve_dot_v1_dot_gateway__pb2.ExperimentReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
