@@ -46,6 +46,10 @@ def test_limits_unit():
         LIMITS.check_tokens([1], SamplingParams(max_tokens=51))
     with pytest.raises(ValueError, match="--max-messages must be >= 1"):
         RequestLimits(max_messages=0)
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        SamplingParams(stop=("",))
+    with pytest.raises(ValueError, match="stop_token_ids must be >= 0"):
+        SamplingParams(stop_token_ids=(3, -1))
 
 
 def test_limits_flags():
