@@ -243,3 +243,157 @@ def test_config_validation_errors_name_the_field(text, message):
     with pytest.raises(ExperimentConfigError, match=message) as info:
         loads(text, known_deployments={"a", "b", "c"})
     assert "\n" not in str(info.value)
+
+
+# -- the whole config file: deployments and experiments ---------------------------------------------
+
+SERVE = """
+default_model = "chat"
+[deployments.fp32]
+model = "{model}"
+prefill = 2
+prefill_targets = ["127.0.0.1:1"]
+decode_targets = ["127.0.0.1:2", "127.0.0.1:3"]
+[deployments.int8]
+model = "{model}"
+kv_dtype = "float16"
+block_size = 32
+[experiments.chat]
+arms = ["fp32", "int8"]
+policy = "ucb1"
+"""
+
+
+def _serve_file(tmp_path, text: str):
+    from conftest import STORIES_GGUF
+
+    path = tmp_path / "serve.toml"
+    path.write_text(text.format(model=STORIES_GGUF))
+    return path
+
+
+def test_serve_config_loads_deployments_and_fills_in_targets(tmp_path):
+    from gateway.experiments.serve_config import load_serve_config
+
+    config = load_serve_config(_serve_file(tmp_path, SERVE))
+    fp32, int8 = config.deployments["fp32"], config.deployments["int8"]
+    assert (fp32.prefill, fp32.decode, fp32.kv_dtype, int8.kv_dtype, int8.block_size) == (2, None, "float32",
+                                                                                          "float16", 32)
+    assert config.public_names() == ["chat", "fp32", "int8"] and config.default_model == "chat"
+    with pytest.raises(ExperimentConfigError, match=r"deployments.int8.prefill_targets: required by `pdserve "
+                                                    r"gateway --config`.*--deployment-targets int8:prefill=ADDR"):
+        config.require_targets()
+    filled = config.with_targets(["int8:prefill=127.0.0.1:4", "int8:decode=127.0.0.1:5,127.0.0.1:6",
+                                  "int8:kvstore=127.0.0.1:7"])
+    filled.require_targets()
+    assert filled.deployments["int8"].decode_targets == ("127.0.0.1:5", "127.0.0.1:6")
+    assert filled.deployments["int8"].kvstore_target == "127.0.0.1:7"
+    assert filled.deployments["fp32"] == fp32
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", "deployments: at least one"),
+    ("[deployments.a]\n", r"deployments.a.model: required"),
+    ('[deployments.a]\nmodel = "/nonexistent/x.gguf"', "deployments.a.model: no such file or directory"),
+    ('[deployments.a]\nmodel = "{model}"\nkv_dtype = "int3"', "deployments.a.kv_dtype: unknown dtype 'int3'"),
+    ('[deployments.a]\nmodel = "{model}"\ndecode = 0', r"deployments.a.decode: must be an integer >= 1"),
+    ('[deployments.a]\nmodel = "{model}"\ngpus = 2', "deployments.a.gpus: unknown field"),
+    ('[deployments."a b"]\nmodel = "{model}"', "deployments.a b: the name 'a b' must be"),
+    ('[deployments.a]\nmodel = "{model}"\nprefill_targets = "x:1"', "deployments.a.prefill_targets: must be a list"),
+    ('[deployments.a]\nmodel = "{model}"\n[deployments.b]\nmodel = "{model}"\n[experiments.a]\narms = ["a", "b"]\n'
+     'policy = "ucb1"', "experiments.a: the name is also a deployment's"),
+    ('[deployments.a]\nmodel = "{model}"\n[experiments.m]\narms = ["a", "c"]\npolicy = "ucb1"',
+     "experiments.m.arms: unknown arm 'c'; deployments are a"),
+    ('default_model = "x"\n[deployments.a]\nmodel = "{model}"', "default_model: unknown model 'x'; the file serves a"),
+    ('deployment = 1', r"\(top level\).deployment: unknown field"),
+    ('[deployments.a\n', "not valid TOML"),
+])
+def test_serve_config_errors_name_the_field(tmp_path, text, message):
+    from gateway.experiments.serve_config import load_serve_config
+
+    with pytest.raises(ExperimentConfigError, match=message) as info:
+        load_serve_config(_serve_file(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("fp32:prefill", "expected NAME:KIND=ADDR"),
+    ("gpu:prefill=x:1", "unknown deployment 'gpu'; deployments are fp32, int8"),
+    ("fp32:router=x:1", "unknown kind 'router'"),
+    ("fp32:kvstore=x:1,y:2", "a deployment has one kvstore, got 2"),
+])
+def test_deployment_target_flags_are_checked(tmp_path, flag, message):
+    from gateway.experiments.serve_config import load_serve_config
+
+    with pytest.raises(ExperimentConfigError, match=message):
+        load_serve_config(_serve_file(tmp_path, SERVE)).with_targets([flag])
+
+
+# -- the live experiment: routing, rewards, feedback, report ------------------------------------------
+
+def _live(policy: str = "ucb1", **params):
+    from gateway.experiments.config import ExperimentConfig
+    from gateway.experiments.live import LiveExperiment
+
+    config = ExperimentConfig("m", ("a", "b"), policy, params=params,
+                              reward=RewardConfig(ttft_slo_s=0.1, tpot_slo_s=0.01, w_feedback=1.0))
+    return LiveExperiment(config, seed=0)
+
+
+def _up(*arms):
+    return lambda arm: arm in arms
+
+
+def test_live_experiment_rewards_and_late_feedback_replace_the_reward():
+    from gateway.experiments.live import UnknownRequest
+
+    exp = _live()
+    arm = exp.pick("s1", "r1", _up("a", "b"))
+    assert exp.pick("s1", "r2", _up("a", "b")) == arm  # sticky
+    assert exp.finished("r1", Outcome(ttft_s=0.05, tpot_s=0.02)) == pytest.approx(2 / 3)  # tpot missed
+    assert exp.finished("r1", Outcome(error=True)) is None  # recorded once
+    assert exp.feedback("r1", 1.0) == (arm, pytest.approx(3 / 4))
+    assert exp.policy.stats[arm].reward_sum == pytest.approx(3 / 4) and exp.policy.stats[arm].rewards == 1
+    assert exp.feedback("r1", 0.0) == (arm, pytest.approx(2 / 4))  # a second score replaces the first
+    assert exp.feedback("r2", 0.0) == (arm, None)  # still running: joins when it ends
+    assert exp.finished("r2", Outcome(ttft_s=0.05, tpot_s=0.001)) == pytest.approx(3 / 4)
+    rows = {r.arm: r for r in exp.report(_up("a", "b"))}
+    assert (rows[arm].requests, rows[arm].rewarded, rows[arm].feedback, rows[arm].share) == (2, 2, 2, 1.0)
+    assert rows[arm].reward_mean == pytest.approx((2 / 4 + 3 / 4) / 2)
+    assert rows[arm].ttft_p50_s == pytest.approx(0.05) and rows[arm].tpot_p99_s == pytest.approx(0.02)
+    with pytest.raises(UnknownRequest):
+        exp.feedback("nope", 1.0)
+    with pytest.raises(ValueError, match=r"outside this experiment's feedback range \[0, 1\]"):
+        exp.feedback("r1", 2.0)
+    exp.pick(None, "r3", _up("a", "b"))
+    exp.abandoned("r3")  # cancelled: nothing learnt, and feedback for it is refused
+    with pytest.raises(UnknownRequest):
+        exp.feedback("r3", 1.0)
+
+
+def test_live_experiment_follows_deployment_health():
+    exp = _live("fixed", weights={"a": 0.5, "b": 0.5})
+    sessions = {f"s{i}": exp.pick(f"s{i}", f"r{i}", _up("a", "b")) for i in range(20)}
+    assert set(sessions.values()) == {"a", "b"}
+    assert exp.pick("s-new", "r-new", _up("a")) == "a"  # b's deployment went down
+    assert all(exp.assigner.arm_of(s) == "a" for s in sessions)  # b's sessions moved at once
+    rows = {r.arm: r for r in exp.report(_up("a"))}
+    assert (rows["b"].up, rows["b"].allocation, rows["a"].allocation) == (False, 0.0, 1.0)
+    assert exp.report(_up("a", "b"))[1].up  # back up: chosen again for new sessions
+
+
+def test_reward_confidence_interval_and_percentiles():
+    import statistics
+
+    from gateway.experiments.report import Z_95, RewardMoments, percentile
+
+    values = [0.0, 1.0, 1.0, 0.5, 0.25, 1.0]
+    m = RewardMoments()
+    for v in values:
+        m.add(v)
+    m.replace(0.5, 0.75)
+    values[3] = 0.75
+    assert m.mean == pytest.approx(statistics.fmean(values))
+    assert m.ci95 == pytest.approx(Z_95 * statistics.stdev(values) / len(values) ** 0.5)
+    assert RewardMoments().ci95 == 0.0 and percentile([], 50) == 0.0
+    assert percentile(list(range(1, 101)), 50) == 50 and percentile(list(range(1, 101)), 99) == 99

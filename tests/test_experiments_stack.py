@@ -22,7 +22,8 @@ from pdserve.cli import build_parser
 from pdserve.commands.up import free_port
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
-from pdserve.runtime.loader import load_checkpoint
+from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.runtime.loader import inspect_checkpoint, load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2
@@ -65,20 +66,40 @@ def greedy_reference(path) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ab")
-    args = build_parser().parse_args(["quantize", "--model", str(STORIES_GGUF), "--out", str(tmp / "int8"),
+def int8_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ab") / "int8"
+    args = build_parser().parse_args(["quantize", "--model", str(STORIES_GGUF), "--out", str(out),
                                       "--method", "rtn", "--bits", "8"])
     assert args._run(args) == 0
-    config = tmp / "ab.toml"
-    config.write_text(CONFIG.format(fp32=STORIES_GGUF, int8=tmp / "int8"))
-    references = {"stories-fp32": greedy_reference(STORIES_GGUF), "stories-int8": greedy_reference(tmp / "int8")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(int8_dir):
+    config = int8_dir.parent / "ab.toml"
+    config.write_text(CONFIG.format(fp32=STORIES_GGUF, int8=int8_dir))
+    references = {"stories-fp32": greedy_reference(STORIES_GGUF), "stories-int8": greedy_reference(int8_dir)}
     http_port = free_port()
     stack = start_stack(1, 1, "--config", str(config), "--http-port", str(http_port), "--experiment-seed", "0")
     try:
         yield stack, references, f"http://127.0.0.1:{http_port}"
     finally:
         stack.stop()
+
+
+def test_kv_blocks_of_the_two_formats_never_share_a_hash(int8_dir):
+    """The KV namespace of a deployment: block hashes include the model fingerprint (over the
+    weight files, so the INT8 copy differs) and the KV dtype, so even one shared kvstore could not
+    hand one deployment's blocks to the other."""
+    fp32, int8 = inspect_checkpoint(STORIES_GGUF), inspect_checkpoint(int8_dir)
+    assert fp32.fingerprint != int8.fingerprint
+    tokens = fp32.tokenizer.encode("Once upon a time there was a little girl named Lily. " * 4)
+    assert tokens == int8.tokenizer.encode("Once upon a time there was a little girl named Lily. " * 4)
+    hashes = {(ck.fingerprint, dtype): prompt_block_hashes(tokens, 16, ck.fingerprint, dtype)
+              for ck in (fp32, int8) for dtype in ("float32", "float16")}
+    assert all(len(h) >= 2 for h in hashes.values())
+    all_hashes = [h for chain in hashes.values() for h in chain]
+    assert len(set(all_hashes)) == len(all_hashes)  # no block of one (model, dtype) names another's
 
 
 def generate(stub, prompt: str, session: str = "", model: str = EXPERIMENT) -> tuple[str, str, list[int]]:

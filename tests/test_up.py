@@ -78,6 +78,62 @@ def test_plan_commands_parse() -> None:
     assert gw.prefill == ",".join(w.address for w in workers[1:3]) and gw.bind == "127.0.0.1:50051"
 
 
+AB_CONFIG = """
+[deployments.fp32]
+model = "{model}"
+prefill = 2
+[deployments.f16]
+model = "{model}"
+kv_dtype = "float16"
+num_blocks = 64
+[experiments.ab]
+arms = ["fp32", "f16"]
+policy = "thompson"
+"""
+
+
+def test_plan_of_a_config_starts_every_deployment_and_one_gateway(tmp_path: Path) -> None:
+    from conftest import STORIES_GGUF
+    from gateway.experiments.serve_config import load_serve_config
+
+    config = tmp_path / "ab.toml"
+    config.write_text(AB_CONFIG.format(model=STORIES_GGUF))
+    args = build_parser().parse_args(["up", "--config", str(config), "--decode", "1", "--num-blocks", "512"])
+    workers, gateway = plan(args)
+    assert [w.name for w in workers] == ["kvstore-fp32", "prefill-fp32-0", "prefill-fp32-1", "decode-fp32-0",
+                                         "kvstore-f16", "prefill-f16-0", "decode-f16-0"]
+    by_name = {w.name: build_parser().parse_args(list(w.command[3:])) for w in workers}
+    assert by_name["decode-f16-0"].kv_dtype == "float16" and by_name["decode-f16-0"].num_blocks == 64
+    assert by_name["prefill-fp32-1"].num_blocks == 512  # up's flag is the default
+    assert by_name["decode-f16-0"].kvstore == workers[4].address  # each deployment its own kvstore
+    gw = build_parser().parse_args(list(gateway.command[3:]))
+    filled = load_serve_config(gw.config).with_targets(gw.deployment_targets)
+    filled.require_targets()
+    assert filled.deployments["fp32"].prefill_targets == (workers[1].address, workers[2].address)
+    assert filled.deployments["f16"].kvstore_target == workers[4].address
+
+
+def test_a_bad_config_is_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from conftest import STORIES_GGUF
+
+    config = tmp_path / "bad.toml"
+    config.write_text(AB_CONFIG.format(model=STORIES_GGUF).replace('policy = "thompson"', 'policy = "best"'))
+    args = build_parser().parse_args(["up", "--config", str(config), "--grpc-port", str(_free_port())])
+    assert args._run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pdserve up: ") and "experiments.ab.policy: unknown policy 'best'" in err
+    assert "\n" not in err
+    # the gateway alone needs the workers' addresses for every deployment
+    config.write_text(AB_CONFIG.format(model=STORIES_GGUF))
+    args = build_parser().parse_args(["gateway", "--config", str(config), "--http-port", "0",
+                                      "--deployment-targets", "fp32:prefill=127.0.0.1:1"])
+    assert args._run(args) == 2
+    assert "deployments.fp32.decode_targets: required by `pdserve gateway --config`" in capsys.readouterr().err
+    args = build_parser().parse_args(["gateway", "--http-port", "0"])
+    assert args._run(args) == 2
+    assert "--prefill and --decode are required (or --config FILE" in capsys.readouterr().err
+
+
 def test_port_in_use() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
