@@ -13,13 +13,15 @@ prompt tokens, a new request of n tokens sees
 
     r = (R + 1) / W   requests ahead of and including it, per worker
     x = (P + n) / W   prompt tokens ahead of and including it, per worker
-    predicted TTFT = c + a * r + b * x
+    predicted TTFT = c + a * r + b * x + margin
 
-and (c, a, b) >= 0 are fitted by least squares to the last `window` admitted requests' own (r, x)
+where (c, a, b) >= 0 are fitted by least squares to the last `window` admitted requests' own (r, x)
 at admission and the TTFT they then saw (admission to first token, measured here: the flow calls
 `Admitted.first_token()`). The same features at prediction and at fitting keep the model honest
 about batching: when the workers batch well, TTFT grows slowly with r and the fit says so. Every
-step time, gRPC hop and kvstore lookup is inside the measured TTFT.
+step time, gRPC hop and kvstore lookup is inside the measured TTFT. The fit predicts the mean; the
+SLO is about the tail, so `margin` is the `quantile` (0.9) of the fit's residuals over the same
+window: on a noisy machine the gateway admits less, on a quiet one nearly up to the mean.
 
     predicted > SLO  ->  RESOURCE_EXHAUSTED "predicted TTFT 840 ms exceeds the SLO of 500 ms ...",
                          retry-after = predicted - SLO: the queue ahead drains one second per second,
@@ -65,12 +67,15 @@ class AdmissionConfig:
     window: int = 256  # the fit uses the last this many requests...
     max_age_s: float = 60.0  # ...that reported within this many seconds
     refit_interval_s: float = 0.1  # refit at most this often (it is cheap, but not free)
+    quantile: float = 0.9  # of the residuals: the margin added to the fitted mean
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0:
             raise ValueError(f"the admission TTFT SLO must be positive, got {self.ttft_slo_s * 1000:g} ms")
         if self.min_samples < 1 or self.learning_queue < 1 or self.window < self.min_samples:
             raise ValueError("need min_samples >= 1, learning_queue >= 1 and window >= min_samples")
+        if not 0 <= self.quantile < 1:
+            raise ValueError(f"quantile must be in [0, 1), got {self.quantile}")
 
 
 def slo_ms_from_env() -> float:
@@ -87,12 +92,15 @@ def slo_ms_from_env() -> float:
 
 @dataclass(slots=True)
 class TtftModel:
-    """predicted TTFT = c + a*r + b*x, non-negative least squares over a window of observations."""
+    """predicted TTFT = c + a*r + b*x + margin: non-negative least squares over a window of
+    observations, plus the `quantile` of its residuals."""
 
     window: int = 256
     max_age_s: float = 60.0
+    quantile: float = 0.9
     _samples: deque[tuple[float, float, float, float]] = field(default_factory=deque)  # (time, r, x, ttft)
     coef: tuple[float, float, float] | None = None  # (c, a, b); None until fitted
+    margin: float = 0.0  # seconds added to the fitted mean
     dirty: bool = False
 
     def observe(self, now: float, r: float, x: float, ttft_s: float) -> None:
@@ -113,12 +121,14 @@ class TtftModel:
             return
         data = np.array([(1.0, r, x, y) for _, r, x, y in self._samples])
         self.coef = nonnegative_fit(data[:, :3], data[:, 3])
+        residuals = data[:, 3] - data[:, :3] @ np.asarray(self.coef)
+        self.margin = max(0.0, float(np.quantile(residuals, self.quantile)))
 
     def predict(self, r: float, x: float) -> float | None:
         if self.coef is None:
             return None
         c, a, b = self.coef
-        return c + a * r + b * x
+        return c + a * r + b * x + self.margin
 
 
 def nonnegative_fit(features: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
@@ -169,7 +179,7 @@ class SloAdmission:
         self.config = config
         self._workers = workers
         self._clock = clock
-        self.model = TtftModel(config.window, config.max_age_s)
+        self.model = TtftModel(config.window, config.max_age_s, config.quantile)
         self.pending_requests = 0
         self.pending_tokens = 0
         self._last_fit = -math.inf

@@ -89,6 +89,18 @@ def test_a_fifo_worker_is_learned_and_the_queue_is_cut_where_ttft_passes_the_slo
         pass
 
 
+def test_noisy_ttfts_add_their_upper_residual_quantile_as_a_margin():
+    clock = Clock()
+    adm = admission(clock, quantile=0.9)
+    rng = np.random.default_rng(1)
+    for noise in rng.uniform(0.0, 0.1, 200):  # TTFT 0.1 s + uniform noise up to 0.1 s, one at a time
+        with adm.admit(10) as ticket:
+            clock.now += 0.1 + noise
+            ticket.first_token()
+    predicted = adm.predict(*adm.features(10))
+    assert predicted == pytest.approx(0.1 + 0.09, abs=0.01)  # mean 0.15 + (0.9 quantile - mean) 0.04
+
+
 def test_more_workers_take_proportionally_more_requests():
     clock = Clock()
     adm = admission(clock, workers=1)
