@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import tomllib
 import urllib.error
 import urllib.request
 
@@ -100,6 +101,18 @@ def test_kv_blocks_of_the_two_formats_never_share_a_hash(int8_dir):
     assert all(len(h) >= 2 for h in hashes.values())
     all_hashes = [h for chain in hashes.values() for h in chain]
     assert len(set(all_hashes)) == len(all_hashes)  # no block of one (model, dtype) names another's
+
+
+def test_the_example_config_is_valid(int8_dir):
+    """deploy/experiments.toml, with its INT8 arm pointed at a freshly quantized copy."""
+    from conftest import REPO
+    from gateway.experiments.serve_config import parse_serve_config
+
+    data = tomllib.loads((REPO / "deploy" / "experiments.toml").read_text())
+    data["deployments"]["stories-int8"]["model"] = str(int8_dir)
+    config = parse_serve_config(data, REPO / "deploy")
+    assert config.deployments["stories-fp32"].model == str(STORIES_GGUF.resolve())
+    assert config.experiments["stories"].build_policy().name == "thompson"
 
 
 def generate(stub, prompt: str, session: str = "", model: str = EXPERIMENT) -> tuple[str, str, list[int]]:
