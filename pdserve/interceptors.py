@@ -3,13 +3,14 @@
 grpc.aio server interceptors see only the method name and the metadata; to refuse a call they
 return a handler of the same kind (unary/stream in and out) that aborts, and to hold something
 for the length of a call (a concurrency slot) they wrap the handler's behavior. Both are here
-once. `OPEN_METHOD_PREFIXES` are the methods every server leaves open: health checks (load
+once, and so are the four client interceptor kinds (`client_interceptors_of`, also used by
+tracing). `OPEN_METHOD_PREFIXES` are the methods every server leaves open: health checks (load
 balancers, `pdserve.healthcheck`) and reflection (service discovery, no data).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -36,7 +37,7 @@ def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     """A handler of `handler`'s kind that ends every call with `code` and `message`."""
     async def refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
-    return _same_kind(handler, lambda behavior: refuse, lambda behavior: refuse)
+    return same_kind(handler, lambda behavior: refuse, lambda behavior: refuse)
 
 
 def wrapped(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
@@ -57,11 +58,13 @@ def wrapped(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHan
                 else:  # a coroutine handler that writes with context.write()
                     await result
         return run
-    return _same_kind(handler, unary, stream)
+    return same_kind(handler, unary, stream)
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any], stream: Callable[[Any], Any]
-               ) -> grpc.RpcMethodHandler:
+def same_kind(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any], stream: Callable[[Any], Any]
+              ) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind whose behavior is `unary(behavior)` (unary response) or
+    `stream(behavior)` (streaming response)."""
     kwargs = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
     if handler.unary_unary:
@@ -73,38 +76,45 @@ def _same_kind(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any], stre
     return grpc.stream_stream_rpc_method_handler(stream(handler.stream_stream), **kwargs)
 
 
+ClientIntercept = Callable[[Callable[..., Any], grpc.aio.ClientCallDetails, Any], Awaitable[Any]]
+
+
+def client_interceptors_of(intercept: ClientIntercept) -> list[Any]:
+    """Client interceptors running `intercept(continuation, details, request_or_iterator)` for every
+    call: one per call kind, as grpc.aio picks interceptors by the kind they subclass."""
+    return [kind(intercept) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+
+
 def metadata_adders(key: str, value: str) -> list[Any]:
-    """Client interceptors (one per call kind) that add `key: value` to every call's metadata."""
-    return [cls(key, value) for cls in (_AddUnaryUnary, _AddUnaryStream, _AddStreamUnary, _AddStreamStream)]
-
-
-class _MetadataAdder:
-    def __init__(self, key: str, value: str) -> None:
-        self.item = (key, value)
-
-    async def _add(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails,
-                   request: Any) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self.item)
+    """Client interceptors that add `key: value` to every call's metadata."""
+    async def add(continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), (key, value))
         details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                              details.credentials, details.wait_for_ready)
         return await continuation(details, request)
+    return client_interceptors_of(add)
 
 
-class _AddUnaryUnary(_MetadataAdder, grpc.aio.UnaryUnaryClientInterceptor):
+class _ClientKind:
+    def __init__(self, intercept: ClientIntercept) -> None:
+        self._intercept = intercept
+
+
+class _UnaryUnary(_ClientKind, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await self._add(continuation, client_call_details, request)
+        return await self._intercept(continuation, client_call_details, request)
 
 
-class _AddUnaryStream(_MetadataAdder, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_ClientKind, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await self._add(continuation, client_call_details, request)
+        return await self._intercept(continuation, client_call_details, request)
 
 
-class _AddStreamUnary(_MetadataAdder, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_ClientKind, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await self._add(continuation, client_call_details, request_iterator)
+        return await self._intercept(continuation, client_call_details, request_iterator)
 
 
-class _AddStreamStream(_MetadataAdder, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStream(_ClientKind, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await self._add(continuation, client_call_details, request_iterator)
+        return await self._intercept(continuation, client_call_details, request_iterator)

@@ -41,6 +41,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from pdserve import interceptors
+
 log = logging.getLogger(__name__)
 
 TRACES_ENV = "PDSERVE_TRACES"
@@ -192,7 +194,7 @@ def client_interceptors() -> list[Any]:
     """Interceptors that trace and propagate every call of a channel ([] when tracing is off)."""
     if not enabled():
         return []
-    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
+    return interceptors.client_interceptors_of(_trace_client_call)
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
@@ -200,29 +202,27 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     return [_ServerTracer()] if enabled() else []
 
 
-class _ClientTracer:
-    """Shared by the four client interceptor kinds (grpc.aio sorts interceptors by kind)."""
-
-    async def _intercept(self, continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails,
-                         request: Any) -> Any:
-        method = _method_name(details.method)
-        if _untraced(method) or not trace.get_current_span().is_recording():
-            return await continuation(details, request)
-        span = tracer().start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method))
-        metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        carrier: dict[str, str] = {}
-        _propagator.inject(carrier, context=trace.set_span_in_context(span))
-        for key, value in carrier.items():
-            metadata.add(key, value)
-        details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
-                                             details.credentials, details.wait_for_ready)
-        try:
-            call = await continuation(details, request)
-        except BaseException as exc:
-            _end_with_error(span, exc)
-            raise
-        call.add_done_callback(lambda c: _finish_client_span(span, c))
-        return call
+async def _trace_client_call(continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails,
+                             request: Any) -> Any:
+    """A CLIENT span around one call, its context injected into the call's metadata."""
+    method = _method_name(details.method)
+    if _untraced(method) or not trace.get_current_span().is_recording():
+        return await continuation(details, request)
+    span = tracer().start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method))
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=trace.set_span_in_context(span))
+    for key, value in carrier.items():
+        metadata.add(key, value)
+    details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                         details.credentials, details.wait_for_ready)
+    try:
+        call = await continuation(details, request)
+    except BaseException as exc:
+        _end_with_error(span, exc)
+        raise
+    call.add_done_callback(lambda c: _finish_client_span(span, c))
+    return call
 
 
 def _finish_client_span(span: Span, call: Any) -> None:
@@ -250,26 +250,6 @@ def _end_with_code(span: Span, code: grpc.StatusCode) -> None:
 def _end_with_error(span: Span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
     span.end()
-
-
-class _UnaryUnary(_ClientTracer, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await self._intercept(continuation, client_call_details, request)
-
-
-class _UnaryStream(_ClientTracer, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await self._intercept(continuation, client_call_details, request)
-
-
-class _StreamUnary(_ClientTracer, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await self._intercept(continuation, client_call_details, request_iterator)
-
-
-class _StreamStream(_ClientTracer, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await self._intercept(continuation, client_call_details, request_iterator)
 
 
 class _ServerTracer(grpc.aio.ServerInterceptor):
@@ -336,17 +316,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, parent: otel_cont
             finish(span, context, None)
         return traced
 
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap_unary_response(handler.unary_unary), **kwargs)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_stream_response(handler.unary_stream), **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary_response(handler.stream_unary), **kwargs)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(wrap_stream_response(handler.stream_stream), **kwargs)
-    return handler
+    return interceptors.same_kind(handler, wrap_unary_response, wrap_stream_response)
 
 
 def _server_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
