@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
 
 POLICIES = ("always-remote", "always-local", "conditional")
-DEFAULT_POLICY = "conditional"
+DEFAULT_POLICY = "always-remote"
+MIN_S_PER_TOKEN = 1e-7  # floor of the learned prefill time (a prefill is never free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +125,12 @@ class ConditionalPlacement:
         return compute_s * (1 + c.local_penalty * (1 + decode_load(inputs) / c.decode_batch))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Learn the per-token prefill time from one finished prefill of `tokens` uncached tokens."""
-        if tokens > 0 and seconds > 0:
-            self.s_per_token.update(seconds / tokens)
+        """Learn the per-token prefill time from one remote prefill of `tokens` uncached tokens
+        that took `seconds` (the flow reports them); prompts up to the local threshold teach
+        nothing: their time is mostly the fixed overhead."""
+        if tokens > max(self.config.local_max_tokens, 0) and seconds > 0:
+            compute_s = max(seconds - self.config.remote_overhead_s, 0.0)
+            self.s_per_token.update(max(compute_s / tokens, MIN_S_PER_TOKEN))
 
 
 def decode_load(inputs: PlacementInputs) -> int:
@@ -201,6 +205,26 @@ def config_from_args(args: argparse.Namespace) -> DisaggConfig:
 
 def placement_from_args(args: argparse.Namespace) -> CountedPlacement:
     return make_placement(args.disagg_policy, config_from_args(args))
+
+
+# ---- the gateway's setting, read once at start (as gateway.request_limits) ------------------------
+
+_settings: tuple[str, DisaggConfig] | None = None
+
+
+def use_args(args: argparse.Namespace) -> None:
+    """Make the flags' policy the one `new_placement` builds; ValueError naming a bad flag."""
+    global _settings
+    placement_from_args(args)  # validated now: a bad value stops the gateway at start
+    _settings = (args.disagg_policy, config_from_args(args))
+
+
+def new_placement() -> CountedPlacement:
+    """A fresh policy for one deployment's flow (its EWMAs are its own): the flags' (`use_args`),
+    else always-remote, so an in-process gateway started without flags keeps classic
+    disaggregation."""
+    policy, config = _settings or ("always-remote", DisaggConfig())
+    return make_placement(policy, config)
 
 
 def gateway_flags(args: argparse.Namespace, decode_batch: int) -> tuple[str, ...]:

@@ -67,10 +67,11 @@ def test_learned_prefill_time_moves_the_choice() -> None:
     policy = ConditionalPlacement(CONFIG)
     assert policy.place(inputs(200)) == "remote"
     for _ in range(60):
-        policy.observe_prefill(1000, 0.01)
+        policy.observe_prefill(1000, 0.03)  # 20 ms of it the hop: 10 ms of compute
     assert policy.s_per_token.value == pytest.approx(1e-5, rel=0.01)
     assert policy.place(inputs(200)) == "local"
     policy.observe_prefill(0, 1.0)  # nothing computed: nothing learned
+    policy.observe_prefill(64, 1.0)  # under the threshold: mostly fixed costs, not learned from
     assert policy.s_per_token.value == pytest.approx(1e-5, rel=0.01)
 
 
@@ -101,7 +102,7 @@ def test_make_placement_counts_each_decision() -> None:
     assert (_count("local") - before[0], _count("remote") - before[1]) == (2, 1)
     assert make_placement("always-local").place(inputs(900)) == "local"
     assert make_placement("always-remote").place(inputs(9)) == "remote"
-    policy.observe_prefill(1000, 0.01)  # reaches the conditional policy through the counter
+    policy.observe_prefill(1000, 0.03)  # reaches the conditional policy through the counter
     assert policy.inner.s_per_token.value < CONFIG.prefill_s_per_token
 
 
@@ -127,3 +128,49 @@ def test_flags_round_trip() -> None:
     assert disagg.config_from_args(forwarded) == DisaggConfig(
         local_max_tokens=100, decode_batch=8, prefill_s_per_token=0.002, remote_overhead_s=0.005)
     assert p.parse_args([]).disagg_policy == disagg.DEFAULT_POLICY
+
+
+# ---- on a real stack --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def conditional_stack():
+    from pdserve.stack import start_stack
+
+    # 1 ms/token and a 20 ms hop: on an idle stack a 200-token prompt stays remote (0.22 s remote
+    # vs 0.4 s local), a prompt of at most 32 tokens is local by the threshold.
+    s = start_stack(1, 1, "--disagg-policy", "conditional", "--local-prefill-max-tokens", "32",
+                    "--disagg-prefill-ms-per-token", "1", "--disagg-remote-overhead-ms", "20")
+    yield s
+    s.stop()
+
+
+def test_stack_places_short_prompts_locally_and_long_ones_remotely(conditional_stack) -> None:
+    """The prefill worker sees the long prompt and not the short one; both stream what the
+    in-process engine generates greedily."""
+    from conftest import STORIES_GGUF
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.loader import load_checkpoint
+    from pdserve.runtime.sampling_params import SamplingParams
+    from pdserve.v1 import common_pb2, gateway_pb2
+
+    checkpoint = load_checkpoint(STORIES_GGUF)
+    tok, engine = checkpoint.tokenizer, Engine.from_checkpoint(checkpoint)
+    short = "Once upon a time"
+    long = " ".join(["The little dog ran to the park and played with a red ball in the sun."] * 12)
+    assert len(tok.encode(short)) <= 32 < 150 < len(tok.encode(long)) < 400
+    stub = conditional_stack.gateway_stub()
+
+    def generate(prompt: str) -> tuple[list[int], int]:
+        """(token ids, prefills the prefill worker ran for it)."""
+        before = conditional_stack.worker_stats("prefill-0").tokens_generated
+        chunks = list(stub.Generate(gateway_pb2.GenerateRequest(
+            prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0)), timeout=120))
+        after = conditional_stack.worker_stats("prefill-0").tokens_generated
+        return [t for c in chunks for t in c.token_ids], after - before
+
+    for prompt, remote_prefills in ((short, 0), (long, 1), (short, 0)):
+        ids, prefills = generate(prompt)
+        expected = engine.generate([tok.encode(prompt)], SamplingParams(max_tokens=24, temperature=0))[0].output_ids
+        assert ids == expected, prompt[:20]
+        assert prefills == remote_prefills, prompt[:20]

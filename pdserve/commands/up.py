@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--prefill/--decode/--num-blocks are the defaults of deployments that set none")
     p.add_argument("--experiment-seed", type=int, default=None,
                    help="with --config: seed of the gateway's random arm choices")
+    from gateway import disagg
+
+    disagg.add_arguments(p, decode_batch_flag=False)  # forwarded to the gateway, with --max-batch-size
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,8 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
         workers, gateway = plan_config(args)
         return _with_metrics_ports([*workers, gateway], args.metrics_port_base) if args.metrics_port_base \
             else (workers, gateway)
+    from gateway import disagg
+
     loopback = "127.0.0.1"
     kv = f"{loopback}:{free_port()}"
     model = ("--model", args.model) if args.model else ()
@@ -149,7 +154,8 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
         "--kv-dtype", args.kv_dtype, "--max-inflight", str(args.max_inflight),
         "--http-port", str(args.http_port),
         "--prefill", ",".join(w.address for w in workers if w.name.startswith("prefill")),
-        "--decode", ",".join(w.address for w in workers if w.name.startswith("decode"))))
+        "--decode", ",".join(w.address for w in workers if w.name.startswith("decode")),
+        *disagg.gateway_flags(args, args.max_batch_size)))
     if args.metrics_port_base:
         workers, gateway = _with_metrics_ports([*workers, gateway], args.metrics_port_base)
     return workers, gateway
