@@ -1,17 +1,18 @@
 """`pdserve bench-overload`: offer a stack ten times what it can serve, with SLO-aware admission
 and without, and report what the admitted requests saw and how fast the refused ones heard.
 
-    pdserve bench-overload --slo-ms 500 --overload 10 --duration 15 --json out.json
+    pdserve bench-overload --overload 10 --duration 10 --json out.json
 
 One stack (kvstore, prefill, decode workers) with two gateways over the same workers: the
 baseline gateway (only the in-flight cap, `--max-inflight`) and one with `--admission-ttft-slo-ms`.
 Steps, in order:
   1. sustainable rate: a closed loop at --concurrency through the baseline gateway (completed
-     requests per second at saturation);
+     requests per second while every client was busy); its TTFT P99 x 1.25 is the SLO unless
+     --slo-ms gives one (a target the stack meets at full throughput);
   2. baseline: open-loop Poisson arrivals at --overload x that rate for --duration seconds, then
      every admitted request is waited for;
-  3. admission: the same closed loop through the admission gateway first (it learns the prefill
-     speed from these), then the same open loop.
+  3. admission: a second gateway with the SLO starts; a short closed loop at 4 clients per prefill
+     worker lets it learn the prefill speed; then the same open loop.
 Each run uses its own prompts (same lengths, another seed) so no run finds another's KV cached.
 
 Per run: offered rate; admitted (completed) requests' TTFT P50/P99 and the share within the SLO;
@@ -38,6 +39,7 @@ NAME = "bench-overload"
 HELP = "offer 10x the sustainable rate with and without SLO-aware admission: TTFT, rejection latency, throughput"
 
 ADMISSION_ENV = "PDSERVE_ADMISSION_TTFT_SLO_MS"
+LEARNING_CLIENTS_PER_WORKER = 4  # gateway.admission.AdmissionConfig.learning_queue
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--slo-ms", type=float, default=500.0, help="the TTFT SLO the admission gateway keeps")
+    p.add_argument("--slo-ms", type=float, default=0.0,
+                   help="the TTFT SLO the admission gateway keeps (0: 1.25 x the TTFT P99 measured at the "
+                        "sustainable rate)")
     p.add_argument("--overload", type=float, default=10.0, help="offered rate as a multiple of the sustainable one")
-    p.add_argument("--duration", type=float, default=15.0, help="seconds of open-loop arrivals per run")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of open-loop arrivals per run")
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients measuring the sustainable rate")
     p.add_argument("--calibrate-requests", type=int, default=96, help="requests of each closed loop")
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (uniform within +-50%%)")
-    p.add_argument("--output-len", type=int, default=16, help="output tokens (uniform within +-50%%)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (uniform within +-50%%)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (uniform within +-50%%)")
     p.add_argument("--max-inflight", type=int, default=256, help="both gateways' hard in-flight cap")
     p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of each request")
     p.add_argument("--seed", type=int, default=0)
@@ -114,13 +118,14 @@ async def run_load(address: str, conversations: Sequence, offsets: Sequence[floa
     return run, [backend.failures[rid] for rid in refused if rid in backend.failures]
 
 
-def closed_loop(address: str, tokenizer, args: argparse.Namespace, label: str, seed: int) -> dict[str, Any]:
-    """`--concurrency` clients, each sending as soon as it is answered; `saturated_per_s` is the
+def closed_loop(address: str, tokenizer, args: argparse.Namespace, label: str, seed: int, slo_ms: float,
+                concurrency: int) -> dict[str, Any]:
+    """`concurrency` clients, each sending as soon as it is answered; `saturated_per_s` is the
     completion rate while every client was busy (see `saturated_rate`)."""
     conversations = workload(tokenizer, args.calibrate_requests, args, seed)
     run, refusals = asyncio.run(run_load(address, conversations, [0.0] * len(conversations), label, args,
-                                         concurrency=args.concurrency, run_id=f"cal{seed}"))
-    return summarize(run, refusals, args.slo_ms) | {"saturated_per_s": saturated_rate(run.records, args.concurrency)}
+                                         concurrency=concurrency, run_id=f"cal{seed}"))
+    return summarize(run, refusals, slo_ms) | {"saturated_per_s": saturated_rate(run.records, concurrency)}
 
 
 def saturated_rate(records: Sequence, concurrency: int) -> float:
@@ -137,7 +142,8 @@ def saturated_rate(records: Sequence, concurrency: int) -> float:
     return round((len(steady) - 1) / (steady[-1] - steady[0]), 2)
 
 
-def open_loop(address: str, tokenizer, rate: float, args: argparse.Namespace, label: str, seed: int) -> dict[str, Any]:
+def open_loop(address: str, tokenizer, rate: float, args: argparse.Namespace, label: str, seed: int,
+              slo_ms: float) -> dict[str, Any]:
     """Poisson arrivals at `rate` for `--duration` seconds; waits for every admitted request."""
     from pdserve.bench.arrivals import start_offsets
 
@@ -146,7 +152,7 @@ def open_loop(address: str, tokenizer, rate: float, args: argparse.Namespace, la
     offsets = start_offsets(n, rate, seed=seed)
     run, refusals = asyncio.run(run_load(address, conversations, offsets, label, args, rate=rate,
                                          run_id=f"open{seed}"))
-    return summarize(run, refusals, args.slo_ms) | {"offered_rate": round(rate, 2), "offered": n}
+    return summarize(run, refusals, slo_ms) | {"offered_rate": round(rate, 2), "offered": n}
 
 
 def _ms(values: Sequence[float], q: float) -> float | None:
@@ -194,43 +200,60 @@ def start_admission_gateway(stack, slo_ms: float):
     return child
 
 
+def auto_slo_ms(sustainable: dict[str, Any]) -> float:
+    """The SLO when none is given: 1.25 x the TTFT P99 the stack had at its sustainable rate (a
+    target it can meet at full throughput, so that refusing is only needed past it)."""
+    return round(1.25 * (sustainable["ttft_p99_ms"] or 100.0))
+
+
+def warm_up(address: str, tokenizer, args: argparse.Namespace) -> None:
+    """First calls through a gateway (channels, model code paths), not measured."""
+    asyncio.run(run_load(address, workload(tokenizer, 4, args, args.seed), [0.0] * 4, "warm-up", args,
+                         concurrency=2, run_id="warm"))
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.runtime.loader import inspect_checkpoint, resolve_model_path
     from pdserve.stack import start_stack
 
-    if args.overload <= 1 or args.duration <= 0 or args.slo_ms <= 0:
-        raise SystemExit("bench-overload: need --overload > 1, --duration > 0 and --slo-ms > 0")
+    if args.overload <= 1 or args.duration <= 0 or args.slo_ms < 0:
+        raise SystemExit("bench-overload: need --overload > 1, --duration > 0 and --slo-ms >= 0")
     tokenizer = inspect_checkpoint(resolve_model_path(args.model)).tokenizer
     os.environ.pop(ADMISSION_ENV, None)  # the baseline gateway must run without admission
     extra = ["--model", args.model] if args.model else []
     stack = start_stack(args.prefill, args.decode, "--threads", str(args.threads),
                         "--max-inflight", str(args.max_inflight), *extra)
     try:
-        admission_gw = start_admission_gateway(stack, args.slo_ms)
-        base, adm = stack.gateway_address, admission_gw.spec.address
-        for address in (base, adm):  # first calls: channels, model code paths
-            asyncio.run(run_load(address, workload(tokenizer, 4, args, args.seed), [0.0] * 4, "warm-up", args,
-                                 concurrency=2, run_id="warm"))
-        sustainable = closed_loop(base, tokenizer, args, "sustainable", args.seed + 1)
+        base = stack.gateway_address
+        warm_up(base, tokenizer, args)
+        sustainable = closed_loop(base, tokenizer, args, "sustainable", args.seed + 1, args.slo_ms or math.inf,
+                                  args.concurrency)
+        slo_ms = args.slo_ms or auto_slo_ms(sustainable)
+        if not args.slo_ms:  # measured before there was an SLO
+            sustainable.pop("within_slo"), sustainable.pop("goodput_per_s")
         rate = args.overload * sustainable["saturated_per_s"]
-        baseline = open_loop(base, tokenizer, rate, args, "admission off", args.seed + 2)
-        learning = closed_loop(adm, tokenizer, args, "admission warm-up", args.seed + 3)
-        admitted = open_loop(adm, tokenizer, rate, args, "admission on", args.seed + 4)
+        baseline = open_loop(base, tokenizer, rate, args, "admission off", args.seed + 2, slo_ms)
+        adm = start_admission_gateway(stack, slo_ms).spec.address
+        warm_up(adm, tokenizer, args)
+        # Learning admits a few requests per prefill worker: more clients would only be refused.
+        learning = closed_loop(adm, tokenizer, args, "admission warm-up", args.seed + 3, slo_ms,
+                               min(args.concurrency, LEARNING_CLIENTS_PER_WORKER * args.prefill))
+        admitted = open_loop(adm, tokenizer, rate, args, "admission on", args.seed + 4, slo_ms)
     finally:
         stack.stop()
-    return report(sustainable, learning, [baseline, admitted], args)
+    return report(sustainable, learning, [baseline, admitted], slo_ms, args)
 
 
-def report(sustainable: dict, learning: dict, runs: list[dict], args: argparse.Namespace) -> int:
+def report(sustainable: dict, learning: dict, runs: list[dict], slo_ms: float, args: argparse.Namespace) -> int:
     rate = sustainable["saturated_per_s"]
     for r in runs:
         r["throughput_vs_sustainable"] = round(r["completed_per_s"] / rate, 2) if rate else None
-    data = {"slo_ms": args.slo_ms, "overload": args.overload, "duration_s": args.duration,
+    data = {"slo_ms": slo_ms, "slo_from": "--slo-ms" if args.slo_ms else "1.25 x sustainable TTFT P99", "overload": args.overload, "duration_s": args.duration,
             "prefill_workers": args.prefill, "decode_workers": args.decode,
             "sustainable": sustainable, "admission_warmup": learning, "runs": runs}
     print(f"sustainable (closed loop, {args.concurrency} clients): {rate:.2f} req/s, "
           f"{sustainable['output_tokens_per_s']:.1f} tok/s, TTFT p99 {sustainable['ttft_p99_ms']} ms; "
-          f"offered {args.overload:g}x = {runs[0]['offered_rate']:.1f} req/s for {args.duration:g} s; SLO {args.slo_ms:g} ms")
+          f"offered {args.overload:g}x = {runs[0]['offered_rate']:.1f} req/s for {args.duration:g} s; SLO {slo_ms:g} ms")
     head = ("run", "offered", "done", "refused", "other", "TTFT p50", "TTFT p99", "in SLO",
             "refuse p50", "refuse p99", "req/s", "tok/s", "vs sust.")
     print("".join(f"{h:>11}" if i else f"{h:<15}" for i, h in enumerate(head)))
