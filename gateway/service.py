@@ -31,6 +31,7 @@ from gateway.flow import GenerationRequest, RequestFlow
 from gateway.observe import observe_request
 from gateway.output import OutputChunk
 from gateway.slo import SloMonitor
+from pdserve import log_privacy
 from pdserve.grpc_server import abort_on
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -95,9 +96,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         experiment, arm, reward = self.catalog.feedback(request.request_id, request.score)
         if request.comment:
             log.info("feedback on %s (%s/%s) %g: %s", request.request_id, experiment, arm, request.score,
-                     request.comment[:500])
-        return gateway_pb2.FeedbackResponse(experiment=experiment, arm=arm,
-                                            reward=reward if reward is not None else 0.0)
+                     log_privacy.content(request.comment))  # user text: hidden unless PDSERVE_LOG_PROMPTS=1
+        return gateway_pb2.FeedbackResponse(experiment=experiment, arm=arm, reward=reward or 0.0,
+                                            pending=reward is None)
 
     @abort_on()
     async def ExperimentReport(self, request: gateway_pb2.ExperimentReportRequest,

@@ -164,7 +164,7 @@ def test_feedback_by_rpc_and_http_changes_the_reward(setup):
     rid, arm, _ = generate(stub, PROMPTS[2], session="feedback-rpc")
     before = report(stub)[arm]
     reply = stub.Feedback(gateway_pb2.FeedbackRequest(request_id=rid, score=0.0, comment="dull"), timeout=10)
-    assert (reply.experiment, reply.arm, reply.reward) == (EXPERIMENT, arm, 0.75)  # ttft, tpot, success 1; feedback 0
+    assert (reply.experiment, reply.arm, reply.reward, reply.pending) == (EXPERIMENT, arm, 0.75, False)  # ttft, tpot, success 1; feedback 0
     after = report(stub)[arm]
     assert after.feedback == before.feedback + 1
     assert after.reward_mean == pytest.approx(before.reward_mean - 0.25 / after.rewarded)

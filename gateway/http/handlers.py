@@ -210,7 +210,7 @@ class ApiHandlers:
         request_id, score = parse_feedback(await _json_body(request))
         experiment, arm, reward = self.catalog.feedback(request_id, score)  # 404 / 400 via openai_errors
         return web.json_response({"request_id": request_id, "experiment": experiment, "arm": arm,
-                                  "reward": reward}, dumps=json_dumps)
+                                  "reward": reward, "pending": reward is None}, dumps=json_dumps)
 
     async def experiments(self, request: web.Request) -> web.Response:
         """GET /v1/experiments: the per-arm report (`pdserve experiment report` reads it over gRPC)."""
@@ -263,3 +263,5 @@ async def _json_body(request: web.Request) -> object:
         return json.loads(await request.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ApiError(400, "the request body is JSON nested too deeply to parse") from None

@@ -72,14 +72,16 @@ class FeedbackRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., comment: _Optional[str] = ...) -> None: ...
 
 class FeedbackResponse(_message.Message):
-    __slots__ = ("experiment", "arm", "reward")
+    __slots__ = ("experiment", "arm", "reward", "pending")
     EXPERIMENT_FIELD_NUMBER: _ClassVar[int]
     ARM_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     experiment: str
     arm: str
     reward: float
-    def __init__(self, experiment: _Optional[str] = ..., arm: _Optional[str] = ..., reward: _Optional[float] = ...) -> None: ...
+    pending: bool
+    def __init__(self, experiment: _Optional[str] = ..., arm: _Optional[str] = ..., reward: _Optional[float] = ..., pending: _Optional[bool] = ...) -> None: ...
 
 class ExperimentReportRequest(_message.Message):
     __slots__ = ()
