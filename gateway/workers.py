@@ -4,8 +4,9 @@ A pool starts from its targets (see `targets`): each resolved address becomes a
 `WorkerEndpoint` with its own channel and stub. A background task probes every endpoint's
 `grpc.health.v1` (service "") each `probe_interval_s`; it also re-resolves `dns:///` targets,
 adding endpoints for new addresses and retiring the ones gone (their channel is closed once their
-last call ends). An endpoint is marked down by a failed probe or by `mark_down` (a call saw
-UNAVAILABLE) and comes back up on the next successful probe. `pick` asks `router` for the
+last call ends). An endpoint is marked down by `unhealthy_after` (2) failed probes in a row (one
+slow probe on a busy machine is no reason to drop a worker; PDSERVE_PROBE_FAILURES) or at once by
+`mark_down` (a call saw UNAVAILABLE), and comes back up on the next successful probe. `pick` asks `router` for the
 least-loaded healthy endpoint; `pick_decode` for the KV-aware choice, using what each probe also
 learns from the worker's Stats (its worker id, running batch and free KV blocks).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ class WorkerEndpoint:
     inflight: int = 0
     healthy: bool = False  # unknown until the first probe answers
     last_error: str = "not probed yet"
+    failed_probes: int = 0  # in a row
     # From the worker's Stats at the last probe ("" / 0 until one answers).
     worker_id: str = ""
     running: int = 0
@@ -96,12 +99,14 @@ class WorkerPool:
 
     def __init__(self, kind: str, targets: Sequence[Target], stub_factory: StubFactory,
                  probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0,
-                 breaker: BreakerConfig | None = None, retry_budget: RetryBudget | None = None) -> None:
+                 breaker: BreakerConfig | None = None, retry_budget: RetryBudget | None = None,
+                 unhealthy_after: int | None = None) -> None:
         self.kind = kind  # "prefill" | "decode"
         self.targets = list(targets)
         self.stub_factory = stub_factory
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
+        self.unhealthy_after = unhealthy_after or int(os.environ.get("PDSERVE_PROBE_FAILURES", "2"))
         self.breaker_config = breaker or BreakerConfig.from_env()
         self.retry_budget = retry_budget or RetryBudget(RetryBudgetConfig.from_env())
         self.endpoints: list[WorkerEndpoint] = []  # what `pick` chooses from, in address order
@@ -231,15 +236,25 @@ class WorkerPool:
             reply = await ep.health.Check(health_pb2.HealthCheckRequest(service=""),
                                           timeout=self.probe_timeout_s)
         except grpc.aio.AioRpcError as err:
-            self.mark_down(ep, f"health check: {err.code().name}")
+            self._probe_failed(ep, f"health check: {err.code().name}")
             return
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            # A worker that says it is going away is believed at once.
             self.mark_down(ep, f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
         else:
+            ep.failed_probes = 0
             if not ep.healthy:
                 log.info("%s worker %s is healthy", self.kind, ep.address)
                 ep.healthy, ep.last_error = True, ""
             await self._poll_stats(ep)
+
+    def _probe_failed(self, ep: WorkerEndpoint, reason: str) -> None:
+        ep.failed_probes += 1
+        if ep.failed_probes >= self.unhealthy_after or not ep.healthy:
+            self.mark_down(ep, reason)
+        else:
+            log.info("%s worker %s: %s (%d of %d failed probes before it is marked down)", self.kind,
+                     ep.address, reason, ep.failed_probes, self.unhealthy_after)
 
     async def _poll_stats(self, ep: WorkerEndpoint) -> None:
         """Load and identity for routing; a worker without Stats (tests' fakes) just lacks them."""

@@ -182,3 +182,23 @@ def test_pool_refuses_a_retry_past_the_budget_naming_the_failure():
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     assert "retry budget is spent" in str(err.value) and "connection refused" in str(err.value)
     assert pool.retry_budget.denied == 1
+
+
+def test_one_failed_probe_does_not_drop_a_healthy_worker_two_do():
+    import asyncio
+
+    from gateway.targets import parse_target
+
+    async def scenario() -> None:
+        pool = WorkerPool("prefill", [parse_target("127.0.0.1:1")], lambda channel: None,
+                          probe_timeout_s=0.5, unhealthy_after=2)  # nothing listens on port 1
+        await pool.refresh()
+        ep = pool.endpoints[0]
+        assert not ep.healthy  # never seen healthy: down from the first failure
+        ep.healthy, ep.failed_probes = True, 0  # as if it had answered before
+        await pool.refresh()
+        assert ep.healthy and ep.failed_probes == 1
+        await pool.refresh()
+        assert not ep.healthy and "UNAVAILABLE" in ep.last_error
+        await pool.close()
+    asyncio.run(scenario())
