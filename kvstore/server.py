@@ -16,7 +16,7 @@ from kvstore.store import MemoryBlockStore
 from kvstore.tiered import TieredStore
 from pdserve.commands.kvstore import add_store_arguments
 from pdserve import log_privacy
-from pdserve.grpc_server import serve_until_signal, start_server
+from pdserve.grpc_server import check_security_settings, serve_until_signal, start_server
 
 DEFAULT_BIND = "0.0.0.0:50070"
 
@@ -66,6 +66,7 @@ async def serve(bind: str, capacity_bytes: int, lease_ttl_s: float = 120.0
 
 def options_from_args(args: argparse.Namespace) -> StoreOptions:
     parse_backend(args.kv_backend)  # bad values fail before anything starts
+    check_security_settings()
     return StoreOptions(int(args.capacity_mb * (1 << 20)), args.lease_ttl_s, args.high_watermark,
                         args.low_watermark, args.kv_backend, args.backend_timeout_ms / 1000)
 

@@ -118,6 +118,13 @@ def start_metrics_http() -> int | None:
     return _metrics_port
 
 
+def check_security_settings() -> None:
+    """Read this process's TLS and internal token settings now (PDSERVE_TLS_*, PDSERVE_INTERNAL_TOKEN*):
+    a bad one stops a service at start with a one-line ValueError, before it loads a model."""
+    tls.current()
+    internal_auth.current_token()
+
+
 def _security_note(public: bool) -> str:
     config = tls.current()
     note = "" if not config.serves_tls else ", mutual TLS" if config.client_auth and not public else ", TLS"

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ import grpc
 
 from kvstore.client import KVStoreClient
 from pdserve.engine_args import build_engine
-from pdserve.grpc_server import DEFAULT_ERROR_CODES, serve_until_signal, start_server
+from pdserve.grpc_server import DEFAULT_ERROR_CODES, check_security_settings, serve_until_signal, start_server
 from pdserve.kvwire import BlockSpec
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine import Engine, QueueFullError
@@ -112,6 +113,11 @@ def run_worker(args: argparse.Namespace, service_name: str,
     """Builds the worker, serves until SIGINT/SIGTERM, then stops cleanly."""
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {service_name.rsplit('.', 1)[-1]} %(levelname)s %(message)s")
+    try:
+        check_security_settings()
+    except ValueError as err:
+        print(f"pdserve {service_name.rsplit('.', 1)[-1]}: {err}", file=sys.stderr)
+        return 2
 
     async def main() -> None:
         worker = make_worker(args)  # inside the loop: the kvstore channel binds to it
