@@ -23,7 +23,8 @@ class Stack:
     args: argparse.Namespace  # the `pdserve up` flags it was started with
 
     def child(self, name: str) -> Child:
-        return next(c for c in self.workers if c.spec.name == name)
+        """A worker (or the kvstore) by name, or the gateway ("gateway")."""
+        return next(c for c in [*self.workers, self.gateway] if c.spec.name == name)
 
     @property
     def gateway_address(self) -> str:
@@ -56,6 +57,22 @@ class Stack:
         child = self.child(name)
         child.proc.send_signal(signal.SIGKILL)
         child.proc.wait(timeout=10)
+
+    def restart(self, name: str, timeout_s: float = 180) -> Child:
+        """Start a killed (or exited) child again with its old command and address; wait until it
+        serves. The new Child replaces the old one here and in the supervisor."""
+        old = self.child(name)
+        if old.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running; kill it before restarting it")
+        # Dead children (this one, others killed before) would make wait_serving report failure.
+        self.supervisor.children = [c for c in self.supervisor.children if c.proc.poll() is None]
+        new = self.supervisor.start(old.spec)
+        if old is self.gateway:
+            self.gateway = new
+        else:
+            self.workers[self.workers.index(old)] = new
+        self.supervisor.wait_serving([new], timeout_s=timeout_s)
+        return new
 
     def stop(self) -> None:
         self.supervisor.stop_all()

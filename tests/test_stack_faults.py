@@ -1,4 +1,7 @@
-"""Workers SIGKILLed under a running stack: streams end cleanly, survivors take new requests."""
+"""Processes SIGKILLed under a running stack (docs/reliability.md): a decode worker mid-stream (its
+streams resume elsewhere from the stored KV), prefill workers (retry, then local prefill), the
+gateway (in-flight streams fail UNAVAILABLE, a retry after its restart succeeds). Every output is
+compared with the in-process engine's greedy run of the same prompt."""
 
 from __future__ import annotations
 
@@ -6,15 +9,24 @@ import concurrent.futures as cf
 
 import grpc
 import pytest
+import torch
 
 from conftest import STORIES_GGUF
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.v1 import common_pb2, gateway_pb2
 from pdserve.stack import start_stack
+from pdserve.v1 import common_pb2, gateway_pb2
 
-PROMPT = "Once upon a time, in a small town, there lived a kind old man who"
+PROMPTS = (
+    "Once upon a time, in a small town, there lived a kind old man who",
+    "Lily and Ben went to the park to play with a ball. They",
+    "The little dog was sad because it lost its red",
+    "One day a big bird flew over the sea and saw a",
+)
+LONG = 400  # tokens per stream in the decode-kill test: long enough to be mid-stream at the kill
+SHORT = 20
+READ_BEFORE_KILL = 96  # tokens each stream has delivered when its worker is killed (> 5 blocks)
 
 
 @pytest.fixture(scope="module")
@@ -25,44 +37,76 @@ def stack():
 
 
 @pytest.fixture(scope="module")
-def expected():
+def reference():
+    """{(prompt, max_tokens): greedy output ids} of the in-process engine; (prompt, 0): its ids."""
+    torch.set_num_threads(1)  # the stack's processes use the other cores; more threads thrash
     checkpoint = load_checkpoint(STORIES_GGUF)
-    ids = checkpoint.tokenizer.encode(PROMPT)
-    params = SamplingParams(max_tokens=20, temperature=0)
-    return Engine.from_checkpoint(checkpoint).generate([ids], params)[0].output_ids
+    engine = Engine.from_checkpoint(checkpoint)
+    prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
+    out = {(p, 0): ids for p, ids in zip(PROMPTS, prompts)}
+    for n in (SHORT, LONG):
+        seqs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        out.update({(p, n): s.output_ids for p, s in zip(PROMPTS, seqs)})
+    return out
 
 
-def _generate(stack, max_tokens: int = 20, **kw):
+def _generate(stack, prompt: str = PROMPTS[0], max_tokens: int = SHORT):
     request = gateway_pb2.GenerateRequest(
-        prompt=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
-    return stack.gateway_stub().Generate(request, timeout=60)
+        prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return stack.gateway_stub().Generate(request, timeout=120)
 
 
 def _tokens(stream) -> list[int]:
     return [t for chunk in stream for t in chunk.token_ids]
 
 
-def test_decode_worker_killed_mid_stream(stack, expected):
-    streams = [_generate(stack, 400, ignore_eos=True) for _ in range(4)]  # spread over both decoders
-    firsts = [next(s) for s in streams]
-    assert all(f.token_ids for f in firsts)
-    stack.kill("decode-0")
-    outcomes = []
-    for s in streams:
-        try:
-            _tokens(s)
-            outcomes.append("completed")
-        except grpc.RpcError as err:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE, err.details()
-            outcomes.append("unavailable")
-    assert "unavailable" in outcomes  # at least one stream lived on decode-0
-    with cf.ThreadPoolExecutor(4) as pool:  # new requests succeed on the survivor
-        results = list(pool.map(lambda _: _tokens(_generate(stack)), range(6)))
-    assert all(r == expected for r in results)
-
-
-def test_prefill_worker_killed(stack, expected):
-    stack.kill("prefill-0")
+def _all_correct(stack, reference, n: int = 8) -> None:
+    """`n` concurrent short requests over all prompts; each equals the reference."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     with cf.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: _tokens(_generate(stack)), range(6)))
-    assert all(r == expected for r in results)
+        results = list(pool.map(lambda p: _tokens(_generate(stack, p)), prompts))
+    assert [r == reference[(p, SHORT)] for p, r in zip(prompts, results)] == [True] * n
+
+
+def test_decode_worker_killed_mid_stream(stack, reference):
+    streams = [_generate(stack, p, LONG) for p in PROMPTS]  # spread over both decode workers
+    got: list[list[int]] = [[] for _ in streams]
+    for tokens, stream in zip(got, streams):
+        while len(tokens) < READ_BEFORE_KILL:
+            tokens.extend(next(stream).token_ids)
+    assert stack.worker_stats("decode-0").num_running >= 1  # streams live on the worker we kill
+    received = stack.worker_stats("decode-1").kv_bytes_received
+    kv = stack.kvstore_stats()
+    stack.kill("decode-0")
+    for tokens, stream in zip(got, streams):
+        tokens.extend(_tokens(stream))  # no error: the gateway resumed the stream on decode-1
+    assert [tokens == reference[(p, LONG)] for p, tokens in zip(PROMPTS, got)] == [True] * len(PROMPTS)
+    # The resumed streams took their KV from the store: more blocks than all prompts hold, so
+    # blocks of generated tokens (written back as they filled) were fetched, not recomputed.
+    block_bytes = kv.used_bytes / kv.num_blocks
+    prompt_blocks = sum(len(reference[(p, 0)]) // 16 for p in PROMPTS)  # --block-size 16
+    assert stack.worker_stats("decode-1").kv_bytes_received - received > prompt_blocks * block_bytes
+    _all_correct(stack, reference)  # new requests go to the survivor
+
+
+def test_prefill_workers_killed(stack, reference):
+    with cf.ThreadPoolExecutor(4) as pool:  # one dies under load: retried on the other
+        futures = [pool.submit(lambda p: _tokens(_generate(stack, p)), PROMPTS[i % 4]) for i in range(8)]
+        stack.kill("prefill-0")
+        results = [f.result() for f in futures]
+    assert [r == reference[(PROMPTS[i % 4], SHORT)] for i, r in enumerate(results)] == [True] * 8
+    stack.kill("prefill-1")  # none left: the decode worker prefills
+    _all_correct(stack, reference)
+
+
+def test_gateway_killed_and_restarted(stack, reference):
+    streams = [_generate(stack, p, LONG) for p in PROMPTS[:2]]
+    for stream in streams:
+        next(stream)  # in flight
+    stack.kill("gateway")
+    for stream in streams:
+        with pytest.raises(grpc.RpcError) as err:
+            _tokens(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    stack.restart("gateway")
+    assert _tokens(_generate(stack, PROMPTS[1], LONG)) == reference[(PROMPTS[1], LONG)]  # the retry

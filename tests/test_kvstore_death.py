@@ -1,0 +1,119 @@
+"""The KV store and its Redis tier SIGKILLed under load (docs/reliability.md): every request completes
+with the in-process engine's greedy output (workers compute the KV they cannot fetch); a kvstore
+restarted on its port finds its blocks again in Redis and the workers use it without restarting."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import grpc
+import pytest
+import torch
+
+from conftest import STORIES_GGUF
+from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.runtime.engine import Engine
+from pdserve.runtime.loader import load_checkpoint
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.stack import start_stack
+from pdserve.v1 import common_pb2, gateway_pb2, kvstore_pb2
+from redis_fixture import redis_server_module  # noqa: F401
+
+PROMPTS = (
+    "Once upon a time, in a small town, there lived a kind old man who",
+    "Lily and Ben went to the park to play with a ball. They",
+    "The little dog was sad because it lost its red",
+    "One day a big bird flew over the sea and saw a",
+)
+STORED = "A girl named Sue had a big red ball and a small blue car that she loved to"
+TOKENS = 160
+READ_BEFORE_KILL = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    torch.set_num_threads(1)  # the stack's processes use the other cores; more threads thrash
+    return load_checkpoint(STORIES_GGUF)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """{prompt: greedy output ids} of the in-process engine."""
+    prompts = (*PROMPTS, STORED)
+    ids = [checkpoint.tokenizer.encode(p) for p in prompts]
+    seqs = Engine.from_checkpoint(checkpoint).generate(
+        ids, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    return {p: s.output_ids for p, s in zip(prompts, seqs)}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server_module):  # noqa: F811
+    s = start_stack(1, 1, "--kv-backend", redis_server_module.url)
+    yield s
+    s.stop()
+
+
+def _generate(stack, prompt: str):
+    request = gateway_pb2.GenerateRequest(
+        prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    return stack.gateway_stub().Generate(request, timeout=120)
+
+
+def _tokens(stream) -> list[int]:
+    return [t for chunk in stream for t in chunk.token_ids]
+
+
+def _run_through(stack, reference, kill) -> None:
+    """Streams of every prompt are mid-way when `kill()` runs; each completes equal to the reference."""
+    streams = [_generate(stack, p) for p in PROMPTS]
+    got: list[list[int]] = [[] for _ in streams]
+    for tokens, stream in zip(got, streams):
+        while len(tokens) < READ_BEFORE_KILL:
+            tokens.extend(next(stream).token_ids)
+    kill()
+    for tokens, stream in zip(got, streams):
+        tokens.extend(_tokens(stream))
+    assert [tokens == reference[p] for p, tokens in zip(PROMPTS, got)] == [True] * len(PROMPTS)
+    with cf.ThreadPoolExecutor(4) as pool:  # new requests during the outage
+        results = list(pool.map(lambda p: _tokens(_generate(stack, p)), PROMPTS))
+    assert [r == reference[p] for p, r in zip(PROMPTS, results)] == [True] * len(PROMPTS)
+
+
+def _stored_prefix(stack, hashes: list[bytes]) -> int:
+    with grpc.insecure_channel(stack.child("kvstore").spec.address) as ch:
+        reply = stack.kvstore_stub(ch).Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes), timeout=5)
+    return reply.prefix_blocks
+
+
+def _await_stored(stack, hashes: list[bytes], tries: int = 50) -> int:
+    """Leading blocks of `hashes` the store holds, once all are there or after `tries` polls (the
+    write-back and Redis write-through run in the background)."""
+    for _ in range(tries):
+        found = _stored_prefix(stack, hashes)
+        if found == len(hashes):
+            break
+        time.sleep(0.1)
+    return found
+
+
+def test_kvstore_killed_under_load_then_restarted(stack, reference, checkpoint):
+    assert _tokens(_generate(stack, STORED)) == reference[STORED]
+    ids = checkpoint.tokenizer.encode(STORED) + reference[STORED][:-1]  # prompt + answer with KV
+    hashes = prompt_block_hashes(ids, 16, checkpoint.fingerprint, "float32")
+    assert _await_stored(stack, hashes) == len(hashes)  # prompt and written-back answer blocks
+    _run_through(stack, reference, lambda: stack.kill("kvstore"))
+    stack.restart("kvstore")
+    assert _await_stored(stack, hashes) == len(hashes)  # found again, in Redis
+    puts = stack.kvstore_stats().puts
+    fresh = "Tom saw a frog that could jump very high, so he"
+    _tokens(_generate(stack, fresh))  # the workers' clients reconnected without a restart:
+    assert stack.kvstore_stats().puts > puts  # its prompt's blocks reached the new store
+    assert _tokens(_generate(stack, STORED)) == reference[STORED]
+
+
+def test_redis_killed_and_restarted_under_load(stack, reference, redis_server_module):  # noqa: F811
+    _run_through(stack, reference, redis_server_module.kill)
+    redis_server_module.start()
+    _run_through(stack, reference, lambda: None)
+    assert stack.kvstore_stats().backend_up
