@@ -14,14 +14,20 @@
         the session's last worker) and send it Prepare(hashes), not awaited: KV that already
         exists starts moving now; a hot prefix is also sent to the decode workers lacking it
                                                                                 UNAVAILABLE if none
-     7. pick a prefill worker; Prefill -> first token + every block hash; a worker that answers
-        UNAVAILABLE is marked down and the call is retried once on another (same request id,
-        so the retry is idempotent)                                             -> PrefillResult
+     7. place the prefill (placement.PrefillPlacement, asked once; default AlwaysRemote):
+        remote: pick a prefill worker; Prefill -> first token + every block hash; a worker that
+        answers UNAVAILABLE is marked down and the call is retried once on another (same request
+        id: the worker's single flight makes a retry idempotent)               -> PrefillResult
+        local, or no prefill worker left to try: skip it; the decode worker prefills in step 9
      8. emit the first token (output.OutputAssembler: incremental detokenizer, stop strings);
         the request ends here when prefill's finish_reason is set or a stop string appeared
-     9. Decode on the decode worker (another one if it went down during prefill): each chunk of
-        tokens is detokenized and emitted; a stop string closes the stream, which cancels the
-        call so the worker aborts the sequence and frees its KV
+     9. Decode on the decode worker (another one if it went down during prefill), with
+        local_prefill when step 7 did not prefill: its first chunk then carries the first token.
+        Each chunk of tokens is detokenized and emitted; a stop string closes the stream, which
+        cancels the call so the worker aborts the sequence and frees its KV. A decode worker lost
+        mid-stream (UNAVAILABLE) is replaced: another one resumes with local prefill of the prompt
+        + every token delivered (resume.StreamProgress), at most MAX_RESUMES times; the client sees
+        each token once, in order                                  UNAVAILABLE when out of resumes
     10. the last chunk carries the finish reason and the Usage
 
 Every downstream call gets the client's remaining time as its timeout. A client cancel cancels
@@ -196,8 +202,8 @@ class RequestFlow:
         return OutputAssembler(self.model.tokenizer, prompt_ids, sampling, prompt_tokens, cached_tokens)
 
     def _place(self, prompt_tokens: int, cached_blocks: int, decode_ep: WorkerEndpoint) -> Placement:
-        """Step 7a: prefill on a prefill worker (remote) or on the decode worker (local)."""
-        healthy = [ep for ep in self.prefill_pool.endpoints if ep.healthy]
+        """Step 7: prefill on a prefill worker (remote) or on the decode worker (local)."""
+        healthy = [ep for ep in self.prefill_pool.endpoints if ep.routable]
         return self.placement.place(PlacementInputs(
             prompt_tokens=prompt_tokens, cached_tokens=min(cached_blocks * self.model.block_size, prompt_tokens),
             prefill_inflight=sum(ep.inflight for ep in healthy), prefill_healthy=len(healthy),
