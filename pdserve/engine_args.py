@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.runtime.config import KV_DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c, s = CacheConfig(), SchedulerConfig()
     p.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks in the paged cache")
-    p.add_argument("--kv-dtype", default=c.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--kv-dtype", default=c.dtype, choices=list(KV_DTYPE_NAMES),
+                   help="KV cache format: float, or int8 / fp8_e4m3 codes with per-block, per-head scales")
     p.add_argument("--max-batch-size", type=int, default=s.max_num_seqs, help="sequences per decode step")
     p.add_argument("--max-batched-tokens", type=int, default=s.max_num_batched_tokens,
                    help="token budget of one step; longer prompts are prefilled in chunks")

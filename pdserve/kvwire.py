@@ -10,6 +10,11 @@ fixed little-endian header followed by the tensor's raw bytes:
 
 The header carries the whole shape and the model fingerprint so a reader can refuse a block made
 by another model or cache layout instead of silently attending over garbage.
+
+The dtype code names the KV format: 1 float32, 2 float16, 3 bfloat16, 4 int8 and 5 fp8 (e4m3fn).
+Codes 4 and 5 are scaled formats (`pdserve.runtime.kv_cache`): the block has one more row than
+`block_size` (shape `[num_layers, 2, block_size + 1, num_kv_heads, head_dim]`), whose slot for
+head h starts with that head's fp32 scale (little-endian); value = code * scale.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.runtime.kv_cache import cache_rows, format_name
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -30,12 +37,17 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float16: 2,
     torch.bfloat16: 3,
     torch.int8: 4,
+    torch.float8_e4m3fn: 5,
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
 class KVBlockError(ValueError):
     """Encoded block data does not match what the reader expects, or is corrupt."""
+
+
+class KVFormatMismatch(KVBlockError):
+    """A well-formed block in another KV format (--kv-dtype) than the reader's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +63,14 @@ class BlockSpec:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """[layers, 2, rows, KVH, D]: rows = block_size, + 1 scale row for int8 / fp8."""
+        return (self.num_layers, 2, cache_rows(self.block_size, self.dtype), self.num_kv_heads, self.head_dim)
 
     @property
     def payload_bytes(self) -> int:
-        count = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        count = 1
+        for n in self.shape:
+            count *= n
         return count * torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -124,9 +139,12 @@ def _check_header(header: BlockHeader, spec: BlockSpec) -> None:
     if header.fingerprint != expected_fp:
         raise KVBlockError(f"model fingerprint {header.fingerprint.hex()} != {expected_fp.hex()}")
     dtype = _CODE_DTYPES.get(header.dtype_code)
+    if dtype is None:
+        raise KVBlockError(f"unknown KV dtype code {header.dtype_code}")
     if dtype != spec.dtype:
-        got = dtype if dtype is not None else f"unknown code {header.dtype_code}"
-        raise KVBlockError(f"dtype {got} != {spec.dtype}")
+        raise KVFormatMismatch(f"KV format {format_name(dtype)} != {format_name(spec.dtype)}: the block was "
+                               f"made with --kv-dtype {format_name(dtype)}, this worker runs "
+                               f"--kv-dtype {format_name(spec.dtype)}")
     for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
         got, want = getattr(header, name), getattr(spec, name)
         if got != want:

@@ -50,7 +50,7 @@ def test_non_contiguous_block_encodes_like_contiguous() -> None:
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("fingerprint", "f" * 32, "model fingerprint 0123456789abcdef0123456789abcdef != ffff"),
-    ("dtype", torch.float16, "dtype torch.float32 != torch.float16"),
+    ("dtype", torch.float16, "KV format float32 != float16"),
     ("num_layers", 4, "num_layers 3 != 4"),
     ("num_kv_heads", 1, "num_kv_heads 2 != 1"),
     ("head_dim", 16, "head_dim 8 != 16"),
@@ -71,7 +71,7 @@ def _patch_header(data: bytes, offset: int, fmt: str, value: int | bytes) -> byt
 @pytest.mark.parametrize(("offset", "fmt", "value", "message"), [
     (0, "<4s", b"XXXX", "bad magic"),
     (4, "<H", 2, "wire version 2 != 1"),
-    (6, "<B", 99, "dtype unknown code 99"),
+    (6, "<B", 99, "unknown KV dtype code 99"),
     (15, "<H", 5, "num_tokens 5 > block_size 4"),
     (33, "<I", 12, "payload length 12 != "),
 ])

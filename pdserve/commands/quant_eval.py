@@ -84,8 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- measurements ---------------------------------------------------------------------------------
 
-def sequence_logits(model, ids: list[int], block_size: int = 16):
-    """All-position logits [T, V] of one sequence through the runtime forward, on a private cache."""
+def sequence_logits(model, ids: list[int], block_size: int = 16, kv_dtype: str = "float32"):
+    """All-position logits [T, V] of one sequence through the runtime forward, on a private cache
+    in the KV format `kv_dtype` (every position attends to the stored, possibly quantized, KV)."""
     import torch
 
     from pdserve.runtime.attention import AttentionMetadata, PrefillSpan
@@ -94,7 +95,8 @@ def sequence_logits(model, ids: list[int], block_size: int = 16):
 
     t = len(ids)
     blocks = -(-t // block_size)
-    kv = allocate_kv_cache(model.config, CacheConfig(block_size=block_size, num_blocks=blocks), "cpu")
+    kv = allocate_kv_cache(model.config, CacheConfig(block_size=block_size, num_blocks=blocks, dtype=kv_dtype),
+                           "cpu")
     meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decode_tokens=0,
                              decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
                              decode_context_lens=torch.zeros(0, dtype=torch.long),

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# --kv-dtype values (the cache formats of `pdserve.runtime.kv_cache`); int8 and fp8_e4m3 are
+# codes with one scale per block and head. Here, free of torch, so that flag parsing stays light.
+KV_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent."""
 
@@ -47,9 +52,11 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int = 4096
-    dtype: str = "float32"  # torch dtype name of the stored keys and values
+    dtype: str = "float32"  # KV format, one of KV_DTYPE_NAMES
 
     def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPE_NAMES:
+            raise ConfigError(f"unknown KV cache dtype {self.dtype!r} (supported: {', '.join(KV_DTYPE_NAMES)})")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks <= 0:

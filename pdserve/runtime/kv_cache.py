@@ -1,28 +1,75 @@
 """The paged KV cache tensor: one block of one sequence is one contiguous slab.
 
-Layout `[num_blocks, layers, 2, block_size, KVH, D]` (2 = keys, values), so a block is a
-single value in the KV store and a single copy on the wire.
+Layout `[num_blocks, layers, 2, rows, KVH, D]` (2 = keys, values), so a block is a single value
+in the KV store and a single copy on the wire. For float formats rows = block_size.
+
+Scaled formats (`int8`, `fp8_e4m3`) store codes plus one fp32 scale per (block, layer, k/v,
+head): rows = block_size + 1, and the extra row `block_size` holds head h's scale in the first
+4 bytes of its D-byte slot (so D must be a multiple of 4). Keeping the scales inside the block's
+slab means a block still moves as one tensor: export/import copies, the wire and the KV store
+need no second array, and bytes per token are measured from the tensor like any other format.
+value ~= code * scale; int8 codes are in [-127, 127], fp8 codes are e4m3 values in [-448, 448].
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.runtime.config import CacheConfig, ModelConfig
+from pdserve.runtime.config import ConfigError, CacheConfig, ModelConfig
+
+# --kv-dtype name -> storage dtype of the cache tensor.
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+# Storage dtypes of the scaled formats -> the largest code magnitude.
+SCALED_QMAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown KV cache dtype {name!r}")
-    return dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r} (supported: {', '.join(KV_DTYPES)})")
+    return KV_DTYPES[name]
 
 
-def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: str) -> torch.Tensor:
-    shape = (cache.num_blocks, model.num_layers, 2, cache.block_size, model.num_kv_heads, model.head_dim)
-    return torch.zeros(shape, dtype=dtype_of(cache.dtype), device=device)
+def format_name(dtype: torch.dtype) -> str:
+    """The --kv-dtype name of a storage dtype (str(dtype) for one that has none)."""
+    return next((n for n, d in KV_DTYPES.items() if d == dtype), str(dtype))
+
+
+def is_scaled(dtype: torch.dtype) -> bool:
+    return dtype in SCALED_QMAX
+
+
+def cache_rows(block_size: int, dtype: torch.dtype) -> int:
+    """Rows of one (block, layer, k/v) slab: the tokens, plus the scale row of a scaled format."""
+    return block_size + 1 if is_scaled(dtype) else block_size
 
 
 def block_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
-    """Shape of one block: [layers, 2, block_size, KVH, D]."""
-    return (model.num_layers, 2, cache.block_size, model.num_kv_heads, model.head_dim)
+    """Shape of one block: [layers, 2, rows, KVH, D]."""
+    rows = cache_rows(cache.block_size, dtype_of(cache.dtype))
+    return (model.num_layers, 2, rows, model.num_kv_heads, model.head_dim)
+
+
+def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: str) -> torch.Tensor:
+    dtype = dtype_of(cache.dtype)
+    if is_scaled(dtype) and model.head_dim % 4:
+        raise ConfigError(f"--kv-dtype {cache.dtype} needs a head dim that is a multiple of 4 "
+                          f"(the scale row holds an fp32 per head), got {model.head_dim}")
+    return torch.zeros((cache.num_blocks, *block_shape(model, cache)), dtype=dtype, device=device)
+
+
+def block_size_of(kv_cache: torch.Tensor) -> int:
+    """Token slots per block of a cache tensor (its rows, less the scale row if scaled)."""
+    rows = kv_cache.shape[-3]
+    return rows - 1 if is_scaled(kv_cache.dtype) else rows
+
+
+def kv_bytes_per_token(kv_cache: torch.Tensor) -> float:
+    """Bytes one token's keys and values take in the cache, measured from the tensor (scales included)."""
+    block = kv_cache[0]
+    return block.numel() * block.element_size() / block_size_of(kv_cache)

@@ -9,6 +9,11 @@ Besides whole prompts: `import_prefix_blocks` starts a new sequence on a prefix 
 the paged cache as reusable cached blocks (prefetch ahead of a request), `export_cached_blocks`
 reads cached blocks back out (write-back of a finished sequence), `resident_hashes` lists what
 the paged cache holds (reported to the kvstore for KV-aware routing).
+
+Block hashes include the KV format (--kv-dtype), so blocks made in another format never match
+this engine's hashes. `import_prompt_blocks` tells that case apart from the others (another
+model or block size: recompute) and refuses it with `KVFormatError`: a deployment whose prefill
+and decode workers disagree on the format would otherwise recompute every prompt, silently.
 """
 
 from __future__ import annotations
@@ -20,10 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.runtime.kv_cache import KV_DTYPES
 from pdserve.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
     from pdserve.runtime.engine import Engine
+
+
+class KVFormatError(ValueError):
+    """Blocks made with another --kv-dtype than this engine's; the message names both."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +61,8 @@ def import_prompt_blocks(engine: Engine, seq: Sequence, hashes: list[bytes],
     """Fills `seq`'s block table with its prompt KV; False (nothing held) when any is missing."""
     bm = engine.block_manager
     if hashes != prompt_hashes(engine, seq.prompt_ids):
-        return False  # another model, dtype or block size: recompute rather than trust it
+        check_same_format(engine, seq.prompt_ids, hashes)
+        return False  # another model or block size: recompute rather than trust it
     num_full = len(seq.prompt_ids) // bm.block_size
     table: list[int] = []
     for i, h in enumerate(hashes):
@@ -68,6 +79,16 @@ def import_prompt_blocks(engine: Engine, seq: Sequence, hashes: list[bytes],
     seq.block_hashes = hashes[:num_full]
     seq.num_computed_tokens = len(seq.prompt_ids)
     return True
+
+
+def check_same_format(engine: Engine, prompt_ids: list[int], hashes: list[bytes]) -> None:
+    """Raises KVFormatError when `hashes` are the prompt's block hashes in another KV format."""
+    bm = engine.block_manager
+    for name in KV_DTYPES:
+        if name != bm.kv_dtype and hashes == prompt_block_hashes(
+                prompt_ids, bm.block_size, bm.fingerprint, name, include_partial=True):
+            raise KVFormatError(f"KV blocks were made with --kv-dtype {name} but this worker runs --kv-dtype "
+                                f"{bm.kv_dtype}: prefill and decode workers must use the same --kv-dtype")
 
 
 def import_prefix_blocks(engine: Engine, seq: Sequence, blocks: Mapping[bytes, torch.Tensor]) -> int:

@@ -1,13 +1,18 @@
 """Torch implementations of the runtime's kernels: the CPU path and the reference for CUDA.
 
 The paged KV cache `kv_cache` is `[num_blocks, layers, 2, block_size, KVH, D]` (0 = keys,
-1 = values), so one block of one sequence is one contiguous slab across all layers.
+1 = values), so one block of one sequence is one contiguous slab across all layers. A scaled
+cache (int8 / fp8 codes plus a scale row per block, see `pdserve.runtime.kv_cache`) is written
+and read through `kv_quant`; float caches take the direct path below, unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.runtime.kernels import kv_quant
+from pdserve.runtime.kv_cache import block_size_of, is_scaled
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,6 +64,9 @@ def write_kv(
     kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatters k, v: [N, KVH, D] into their slots (slot = block_id * block_size + offset)."""
+    if is_scaled(kv_cache.dtype):
+        kv_quant.write_kv(kv_cache, layer, k, v, slot_mapping)
+        return
     num_blocks, _, _, block_size = kv_cache.shape[:4]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
@@ -70,15 +78,18 @@ def _gather_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor) ->
     """block_table: [..., MB] -> keys, values: [..., MB * block_size, KVH, D] (contiguous copies).
 
     index_select over a [num_blocks, layers * 2, slab] view is several times faster on the
-    CPU than advanced indexing of the 6-d cache.
+    CPU than advanced indexing of the 6-d cache. A scaled cache comes back dequantized (fp32).
     """
-    nb, layers, _, bs, kvh, d = kv_cache.shape
-    slabs = kv_cache.view(nb, layers * 2, bs * kvh * d)
+    nb, layers, _, rows, kvh, d = kv_cache.shape
+    slabs = kv_cache.view(nb, layers * 2, rows * kvh * d)
     flat = block_table.reshape(-1)
-    shape = (*block_table.shape[:-1], block_table.shape[-1] * bs, kvh, d)
-    k = slabs[:, 2 * layer].index_select(0, flat).view(shape)
-    v = slabs[:, 2 * layer + 1].index_select(0, flat).view(shape)
-    return k, v
+    k = slabs[:, 2 * layer].index_select(0, flat)
+    v = slabs[:, 2 * layer + 1].index_select(0, flat)
+    if is_scaled(kv_cache.dtype):
+        k = kv_quant.dequantize_slabs(k.view(-1, rows, kvh, d))
+        v = kv_quant.dequantize_slabs(v.view(-1, rows, kvh, d))
+    shape = (*block_table.shape[:-1], block_table.shape[-1] * block_size_of(kv_cache), kvh, d)
+    return k.view(shape), v.view(shape)
 
 
 def paged_decode_attention(
@@ -123,7 +134,7 @@ def prefill_attention(
     and values are already written into the blocks of `block_table` ([MB]) -> out [n, H, D].
     """
     n = q.shape[0]
-    num_blocks = -(-context_len // kv_cache.shape[3])
+    num_blocks = -(-context_len // block_size_of(kv_cache))
     k, v = _gather_kv(kv_cache, layer, block_table[:num_blocks])  # [T', KVH, D]
     k, v = k[:context_len].transpose(0, 1), v[:context_len].transpose(0, 1)  # [KVH, T, D]
     q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
