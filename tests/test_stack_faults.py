@@ -16,7 +16,7 @@ from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.stack import start_stack
-from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.v1 import common_pb2, gateway_pb2, kvstore_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPTS = (
     "Once upon a time, in a small town, there lived a kind old man who",
@@ -26,6 +26,7 @@ PROMPTS = (
 )
 LONG = 400  # tokens per stream in the decode-kill test: long enough to be mid-stream at the kill
 SHORT = 20
+LONG_PROMPT = "prompt 0, 12 times"
 READ_BEFORE_KILL = 96  # tokens each stream has delivered when its worker is killed (> 5 blocks)
 
 
@@ -44,10 +45,16 @@ def reference():
     engine = Engine.from_checkpoint(checkpoint)
     prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
     out = {(p, 0): ids for p, ids in zip(PROMPTS, prompts)}
+    out[(LONG_PROMPT, 1)] = engine.generate([_long_prompt(out)], SamplingParams(max_tokens=1, temperature=0))[0].output_ids
     for n in (SHORT, LONG):
         seqs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         out.update({(p, n): s.output_ids for p, s in zip(PROMPTS, seqs)})
     return out
+
+
+def _long_prompt(reference) -> list[int]:
+    """About 350 tokens: a prefill long enough for two calls to overlap."""
+    return reference[(PROMPTS[0], 0)] * 12
 
 
 def _generate(stack, prompt: str = PROMPTS[0], max_tokens: int = SHORT):
@@ -87,6 +94,23 @@ def test_decode_worker_killed_mid_stream(stack, reference):
     prompt_blocks = sum(len(reference[(p, 0)]) // 16 for p in PROMPTS)  # --block-size 16
     assert stack.worker_stats("decode-1").kv_bytes_received - received > prompt_blocks * block_bytes
     _all_correct(stack, reference)  # new requests go to the survivor
+
+
+def test_prefill_retry_with_the_same_request_id(stack, reference):
+    """A Prefill retried while the first call still runs on the same worker joins that run: both
+    get the answer, nothing is pinned twice (without it the engine refuses the duplicate id)."""
+    request = worker_pb2.PrefillRequest(request_id="retried-1", token_ids=_long_prompt(reference),
+                                        sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0))
+    pinned = stack.kvstore_stats().num_pinned  # by other requests (none: the stack is idle)
+    with grpc.insecure_channel(stack.child("prefill-1").spec.address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        calls = [stub.Prefill.future(request, timeout=60) for _ in range(2)]
+        first, second = (c.result() for c in calls)
+    assert first == second and [first.first_token] == reference[(LONG_PROMPT, 1)]
+    assert stack.kvstore_stats().num_pinned == pinned + len(first.block_hashes)  # each block pinned once
+    with grpc.insecure_channel(stack.child("kvstore").spec.address) as ch:
+        stack.kvstore_stub(ch).Release(kvstore_pb2.ReleaseRequest(request_id="retried-1"), timeout=5)
+    assert stack.kvstore_stats().num_pinned == pinned  # one Release ends the lease
 
 
 def test_prefill_workers_killed(stack, reference):
