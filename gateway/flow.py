@@ -33,7 +33,7 @@
 Every downstream call gets the client's remaining time as its timeout. A client cancel cancels
 the task running this generator, which cancels the call in progress. Work owned by nobody is
 released here: the kvstore lease of a request that never reaches a decode worker (or whose
-decode worker failed) is ended in the background.
+decode worker failed, or whose client went away) is ended in the background.
 
 Requests with a session_id feed `sessions.SessionTracker`; a background task (started with the
 first such request) sends each session's blocks to its decode worker shortly before its next
@@ -193,6 +193,9 @@ class RequestFlow:
                                                          f" of {rid} without a finish reason")
         except ServiceError:
             self._end_lease(rid)  # a failed worker may have left the request's blocks pinned
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            self._end_lease(rid)  # the client went away, maybe before a decode worker took the blocks over
             raise
 
     def _assembler(self, prompt_ids: list[int], sampling: SamplingParams, prompt_tokens: int,

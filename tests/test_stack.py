@@ -140,6 +140,25 @@ def test_cancel_mid_stream_frees_kv_everywhere(stack):
     assert _wait_until(idle), (stack.kvstore_stats(), [stack.worker_stats(n) for n in ("decode-0", "decode-1")])
 
 
+@pytest.mark.parametrize("after_chunks", [0, 1])
+def test_cancel_before_decode_releases_the_kvstore_lease(stack, after_chunks):
+    # Found by `pdserve soak`: a client cancel at once or after the first token (prefill's) left the
+    # blocks prefill had put pinned in the kvstore until the lease TTL (120 s).
+    stub = stack.gateway_stub()
+    for i in range(6):
+        call = stub.Generate(gateway_pb2.GenerateRequest(prompt=f"{PROMPTS[4]} {i}", sampling=greedy(40)))
+        try:
+            if after_chunks == 0:
+                call.cancel()
+            for _ in call:
+                call.cancel()
+                break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.CANCELLED, err
+    stats = stack.kvstore_stats
+    assert _wait_until(lambda: stats().num_leases == 0 and stats().num_pinned == 0), stats()
+
+
 def test_corrupted_kv_block_is_detected_and_recomputed(stack, checkpoint, reference):
     tok, c = checkpoint.tokenizer, checkpoint.config
     prompt = "A corrupted block must never reach the model: the little girl smiled and said"
