@@ -171,12 +171,17 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
             loop.remove_signal_handler(sig)
 
 
+# A peer that went away (crash, restart) is dialled again at least every 2 s: gRPC's default backoff
+# grows to 120 s, and after a 40 s kvstore outage clients took 33 s to notice it was back.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 def grpc_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
     """An aio channel to `target` accepting the same message sizes as our servers, which
     propagates trace context when tracing is on, dials TLS when the process has a certificate or
     CA (`pdserve.tls`), and attaches the internal token when one is configured."""
     config = tls.current()
-    options = [*message_size_options(max_message_bytes), *config.channel_options()]
+    options = [*message_size_options(max_message_bytes), *config.channel_options(), *RECONNECT_OPTIONS]
     interceptors = [*telemetry.client_interceptors(), *internal_auth.client_interceptors()] or None
     if config.dials_tls:
         return grpc.aio.secure_channel(target, config.channel_credentials(), options=options,
