@@ -23,6 +23,10 @@ from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
+# A kvstore call that takes longer is given up (the worker computes the KV instead): a store that
+# hangs rather than dies must not hang requests. Generous, as one call may move hundreds of MB.
+KVSTORE_TIMEOUT_S = 30.0
+
 # Engine exceptions -> gRPC status codes (first match wins).
 WORKER_ERROR_CODES = {
     QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -105,7 +109,8 @@ def make_worker(args: argparse.Namespace) -> Worker:
     aengine = AsyncEngine(engine, batch_window_s=args.batch_window_ms / 1000,
                           max_streams=args.max_waiting + args.max_batch_size).start()
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.bind.rsplit(':', 1)[-1]}"
-    return Worker(worker_id, aengine, KVStoreClient(args.kvstore), block_spec(engine), TransferCounters())
+    kv = KVStoreClient(args.kvstore, timeout_s=KVSTORE_TIMEOUT_S)
+    return Worker(worker_id, aengine, kv, block_spec(engine), TransferCounters())
 
 
 def run_worker(args: argparse.Namespace, service_name: str,
