@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step; longer prompts are prefilled in chunks")
     p.add_argument("--max-waiting", type=int, default=s.max_waiting, help="bounded request queue")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
                    help="torch CPU threads (0: torch's default)")
 
@@ -47,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_batched_tokens,
                                   max_waiting=args.max_waiting),
         device=args.device,
+        cuda_graph=getattr(args, "cuda_graph", True),
     )
 
 

@@ -85,3 +85,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
+    # Replay decode-only steps from CUDA graphs (runtime.cuda_graph); only on a GPU with the
+    # CuPy kernels, ignored elsewhere. Off: every step eager (debugging, profiling).
+    cuda_graph: bool = True

@@ -65,6 +65,9 @@ class Engine:
         self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
         model = LlamaModel(model_config, weights, self.config.device)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
+        if self.config.cuda_graph:  # a no-op off the GPU
+            widest = -(-model_config.max_position_embeddings // cache.block_size)
+            self.runner.enable_cuda_graphs(self.config.scheduler.max_num_seqs, widest)
         self.seqs: dict[str, Sequence] = {}  # queued or running
         self.held: dict[str, Sequence] = {}  # finished, KV kept until exported and released
         self.stats = EngineStats(batch_size_counts={})
