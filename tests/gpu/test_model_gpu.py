@@ -7,8 +7,6 @@ and decode steps replayed from CUDA graphs must give the eager step's logits.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -30,11 +28,10 @@ STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the
 
 def _engine(model_config, weights, device: str, graphs: bool, max_num_seqs: int = 64) -> Engine:
     config = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=1024),
-                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), device=device)
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), device=device,
+                          cuda_graph=graphs)
     engine = Engine(model_config, weights, "f" * 32, config)
-    if graphs:
-        width = math.ceil(model_config.max_position_embeddings / 16)
-        assert engine.runner.enable_cuda_graphs(max_num_seqs, width)
+    assert (engine.runner.graphs is not None) == (graphs and device == "cuda")
     return engine
 
 
