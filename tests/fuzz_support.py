@@ -8,6 +8,7 @@ generated input at it, and ends with `assert_still_healthy`.
 from __future__ import annotations
 
 import grpc
+import torch
 from hypothesis import HealthCheck, settings
 
 from conftest import STORIES_GGUF
@@ -37,6 +38,7 @@ REFERENCE_TOKENS = 16
 
 def reference_ids() -> list[int]:
     """The in-process engine's greedy output for REFERENCE_PROMPT."""
+    torch.set_num_threads(1)  # a tiny model: more threads only fight the stack's processes for the cores
     checkpoint = load_checkpoint(STORIES_GGUF)
     ids = checkpoint.tokenizer.encode(REFERENCE_PROMPT)
     params = SamplingParams(max_tokens=REFERENCE_TOKENS, temperature=0)

@@ -75,3 +75,20 @@ def wait_quiet(stack: Stack, timeout_s: float = 30.0, poll_s: float = 0.2) -> li
 
 def kv_problems(checks: list[KVCheck]) -> list[str]:
     return [f"{c.name}: {c.problem}" for c in checks if c.problem]
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of a live process (VmRSS in /proc), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def rss_by_child(stack: Stack) -> dict[str, tuple[int, float | None]]:
+    """name -> (pid, RSS MiB) of every child; the pid tells a restarted child from the first one."""
+    return {c.spec.name: (c.proc.pid, rss_mib(c.proc.pid)) for c in [*stack.workers, stack.gateway]}

@@ -1,0 +1,257 @@
+"""`pdserve soak`: thousands of requests against a real stack while its processes are killed and
+restarted, then the invariants that must survive that.
+
+    stack (2 prefill, 2 decode, kvstore, optional Redis tier) -> N greedy requests on a few prompts
+    with known reference outputs, `--concurrency` at a time, some cancelled by the client, while
+    the fault schedule SIGKILLs and restarts workers, the kvstore or Redis -> every dead process
+    restarted -> quiet: KV accounting polled on every worker and the kvstore -> invariants
+
+Invariants (exit 1 when one fails): every request sent has exactly one outcome (none lost, none
+duplicated, no chunk with another id or after the end); a completed stream equals its reference
+and a cancelled or failed one is a prefix of it; every failure is a documented status (UNAVAILABLE,
+RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED) with a message; KV free == total with nothing running on
+every worker and nothing pinned in the kvstore; no process that was never restarted grew its RSS
+by more than --rss-growth-limit-mb. Prints a table, and the JSON report with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+NAME = "soak"
+HELP = "run many requests against a stack under injected faults and check the invariants"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=2000, help="requests to send")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    p.add_argument("--duration-s", type=float, default=900, help="stop sending new requests after this long")
+    p.add_argument("--cancel-rate", type=float, default=0.1, help="share of requests the client cancels")
+    p.add_argument("--faults", default="", help="schedule, e.g. kill:decode-0@10s,restart:decode-0@15s")
+    p.add_argument("--fault-every-s", type=float, default=0,
+                   help="random schedule: kill one target every N seconds (0: only --faults)")
+    p.add_argument("--fault-down-s", type=float, default=3, help="random schedule: seconds before the restart")
+    p.add_argument("--fault-targets", default="decode,prefill,kvstore,redis",
+                   help="random schedule: kinds of process to kill (redis only with --redis)")
+    p.add_argument("--prefill", type=int, default=2, help="prefill workers")
+    p.add_argument("--decode", type=int, default=2, help="decode workers")
+    p.add_argument("--redis", action="store_true", help="give the kvstore a Redis tier (runs redis-server)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the random schedule")
+    p.add_argument("--request-timeout-s", type=float, default=60, help="deadline of each request")
+    p.add_argument("--quiet-timeout-s", type=float, default=150,
+                   help="how long to wait for KV to be released after the load (the kvstore's lease TTL is 120 s)")
+    p.add_argument("--rss-growth-limit-mb", type=float, default=256, help="most RSS growth per process")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the JSON report here ('-': stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.soak.faults import parse_faults
+
+    try:
+        faults = parse_faults(args.faults)
+    except ValueError as err:
+        print(f"pdserve soak: --faults: {err}", file=sys.stderr)
+        return 2
+    if args.requests < 1 or args.concurrency < 1 or not 0 <= args.cancel_rate <= 1:
+        print("pdserve soak: --requests and --concurrency must be >= 1, --cancel-rate in [0, 1]", file=sys.stderr)
+        return 2
+    report = soak(args, faults)
+    print_table(report)
+    if args.json:
+        from pdserve.commands.output import write_json
+        write_json(args.json, report)
+    return 0 if report["passed"] else 1
+
+
+def references(max_tokens: int) -> list[list[int]]:
+    """The in-process engine's greedy output for each soak prompt."""
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+    from pdserve.runtime.sampling_params import SamplingParams
+    from pdserve.soak.workload import PROMPTS
+
+    import torch
+
+    torch.set_num_threads(1)  # a tiny model: more threads only fight the stack's processes for the cores
+    checkpoint = load_checkpoint(resolve_model_path(None))
+    engine = Engine.from_checkpoint(checkpoint)
+    prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
+    return [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))]
+
+
+def soak(args: argparse.Namespace, faults: list) -> dict:
+    """Start everything, run the load under the faults, check; the report (JSON-ready)."""
+    from pdserve.soak.faults import FaultRunner, random_schedule
+    from pdserve.soak.invariants import rss_by_child, wait_quiet
+    from pdserve.soak.ledger import check_ledger
+    from pdserve.soak.redis_proc import RedisProcess
+    from pdserve.soak.workload import LENGTHS, make_specs
+    from pdserve.stack import start_stack
+
+    rng = random.Random(args.seed)
+    phases = Phases()
+    refs = references(max(LENGTHS))
+    phases.mark("references")
+    redis = RedisProcess().start() if args.redis else None
+    stack = start_stack(args.prefill, args.decode, *(("--kv-backend", redis.url) if redis else ()))
+    phases.mark("start")
+    try:
+        if args.fault_every_s > 0:
+            faults = sorted([*faults, *random_schedule(args.fault_every_s, args.duration_s,
+                                                       fault_targets(stack, args, redis), rng, args.fault_down_s)],
+                            key=lambda f: f.at_s)
+        rss_before = rss_by_child(stack)
+        runner = FaultRunner(faults, lambda f: apply_fault(stack, redis, f))
+        specs = make_specs(args.requests, args.cancel_rate, rng)
+        t0 = time.monotonic()
+        runner.start()
+        sent, outcomes = run_load(stack, specs, args.concurrency, args.duration_s, args.request_timeout_s, t0)
+        phases.mark("load")
+        runner.stop()
+        revived = revive(stack, redis)
+        phases.mark("revive")
+        checks = wait_quiet(stack, args.quiet_timeout_s)
+        rss_after = rss_by_child(stack)
+        phases.mark("quiet")
+    finally:
+        stack.stop()
+        if redis is not None:
+            redis.kill()
+    phases.mark("stop")
+    ledger = check_ledger(sent, outcomes, refs)
+    return build_report(args, phases, ledger, runner.events, revived, checks, rss_before, rss_after, outcomes)
+
+
+class Phases:
+    """Seconds each phase of the soak took (start, load, ...), for the report."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._last, 1)
+        self._last = now
+
+
+def fault_targets(stack, args: argparse.Namespace, redis) -> list[str]:
+    kinds = {k.strip() for k in args.fault_targets.split(",") if k.strip()}
+    names = [c.spec.name for c in stack.workers if c.spec.name.split("-")[0] in kinds]
+    return names + (["redis"] if redis is not None and "redis" in kinds else [])
+
+
+def apply_fault(stack, redis, fault) -> None:
+    if fault.target == "redis":
+        if redis is None:
+            raise ValueError("no Redis tier (run with --redis)")
+        redis.kill() if fault.action == "kill" else redis.start()
+    elif fault.action == "kill":
+        stack.kill(fault.target)
+    else:
+        stack.restart(fault.target)
+
+
+def revive(stack, redis) -> list[str]:
+    """Restart whatever the schedule left dead, so that the invariants can be read everywhere."""
+    dead = [c.spec.name for c in stack.workers if c.proc.poll() is not None]
+    for name in dead:
+        stack.restart(name)
+    if redis is not None and not redis.running:
+        redis.start()
+        dead.append("redis")
+    return dead
+
+
+def run_load(stack, specs: Sequence, concurrency: int, duration_s: float, timeout_s: float, t0: float):
+    """Send `specs` from `concurrency` threads until done or `duration_s` passed: (sent, outcomes)."""
+    from pdserve.soak.workload import run_request
+
+    pending = iter(specs)
+    lock = threading.Lock()
+    sent: list = []
+    outcomes: list = []
+
+    def worker() -> None:
+        stub = stack.gateway_stub()
+        while time.monotonic() - t0 < duration_s:
+            with lock:
+                spec = next(pending, None)
+                if spec is None:
+                    return
+                sent.append(spec)
+            outcome = run_request(stub, spec, timeout_s, t0)
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=worker, name=f"soak-client-{i}") for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sent, outcomes
+
+
+def _in_fault_window(outcome, events, grace_s: float = 5.0) -> bool:
+    windows = [(e.started_s, e.ended_s + grace_s) for e in events]
+    return any(outcome.started_s <= end and outcome.ended_s >= start for start, end in windows)
+
+
+def build_report(args, phases: Phases, ledger, events, revived, checks, rss_before, rss_after, outcomes) -> dict:
+    from pdserve.soak.invariants import kv_problems
+
+    failed = [o for o in outcomes if o.status not in ("OK", "CANCELLED")]
+    rss = {}
+    for name, (pid, before) in rss_before.items():
+        pid_after, after = rss_after.get(name, (None, None))
+        same = pid_after == pid and before is not None and after is not None
+        rss[name] = {"before_mib": before, "after_mib": after, "restarted": pid_after != pid,
+                     "growth_mib": round(after - before, 1) if same else None}
+    grown = [f"{n} +{r['growth_mib']} MiB" for n, r in rss.items()
+             if r["growth_mib"] is not None and r["growth_mib"] > args.rss_growth_limit_mb]
+    invariants = {
+        "none lost, none duplicated": not ledger.lost and not ledger.duplicated,
+        "tokens equal the reference": not ledger.wrong_tokens,
+        "only documented statuses": not ledger.undocumented,
+        "KV free == total everywhere": not kv_problems(checks),
+        f"RSS growth <= {args.rss_growth_limit_mb:g} MiB": not grown,
+    }
+    return {
+        "config": {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"},
+        "load_s": phases.seconds["load"], "phases_s": phases.seconds, "sent": ledger.sent, "outcomes": len(outcomes),
+        "by_status": ledger.by_status, "completed_exact": ledger.completed_exact,
+        "failed_outside_fault_windows": sum(not _in_fault_window(o, events) for o in failed),
+        "problems": ledger.problems() + kv_problems(checks) + [f"RSS grew: {g}" for g in grown],
+        "faults": [{**asdict(e.fault), "started_s": round(e.started_s, 2), "ended_s": round(e.ended_s, 2),
+                    "error": e.error} for e in events],
+        "revived_at_end": revived,
+        "kv": [asdict(c) for c in checks], "rss": rss,
+        "invariants": invariants, "passed": all(invariants.values()),
+    }
+
+
+def print_table(r: dict) -> None:
+    print(f"soak: {r['sent']} requests sent in {r['load_s']} s, {r['outcomes']} outcomes, "
+          f"{r['completed_exact']} completed equal to the reference")
+    print("  phases (s): " + ", ".join(f"{k} {v}" for k, v in r["phases_s"].items()))
+    print("  " + ", ".join(f"{k} {v}" for k, v in sorted(r["by_status"].items())) +
+          f"; failed outside fault windows: {r['failed_outside_fault_windows']}")
+    print(f"  faults: {len(r['faults'])} run, {sum(bool(f['error']) for f in r['faults'])} failed"
+          + (f"; revived at the end: {', '.join(r['revived_at_end'])}" if r["revived_at_end"] else ""))
+    print(f"  {'process':<10} {'KV total':>12} {'free':>12} {'cached':>8} {'RSS MiB before':>15} {'after':>8}  problem")
+    for c in r["kv"]:
+        m = r["rss"].get(c["name"], {})
+        before, after = m.get("before_mib"), m.get("after_mib")
+        print(f"  {c['name']:<10} {c['total']:>12} {c['free']:>12} {c['cached']:>8} "
+              f"{before if before is None else round(before):>15} {after if after is None else round(after):>8}"
+              f"{' (restarted)' if m.get('restarted') else ''}  {c['problem'] or 'ok'}")
+    for name, ok in r["invariants"].items():
+        print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
+    for p in r["problems"]:
+        print(f"    - {p}")
