@@ -15,7 +15,7 @@ from decode.prefetch import BlockPrefetcher
 from gateway.sessions import HotPrefixes, SessionTracker
 from pdserve.kvwire import encode_block
 from pdserve.runtime.block_hash import prompt_block_hashes
-from pdserve.worker_common import TransferCounters, block_spec
+from pdserve.worker_common import KVOutage, TransferCounters, block_spec
 from pdserve.worker_metrics import PREFETCH_BLOCKS
 
 
@@ -142,7 +142,7 @@ def _worker(engine, kv) -> SimpleNamespace:
     async def call(fn):
         return fn(engine)
     return SimpleNamespace(engine=engine, kv=kv, spec=block_spec(engine), counters=TransferCounters(),
-                           aengine=SimpleNamespace(call=call))
+                           aengine=SimpleNamespace(call=call), kv_outage=KVOutage())
 
 
 def _chain_blocks(engine, tokens: list[int]) -> tuple[list[bytes], dict[bytes, bytes]]:
