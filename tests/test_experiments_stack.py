@@ -193,6 +193,13 @@ def test_models_list_and_unknown_model(setup):
     status, _, body = http("GET", base + "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == [EXPERIMENT, *ARMS]
     assert body["data"][0]["pdserve_experiment"]["arms"] == list(ARMS)
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    for arm in ARMS:  # per-arm metrics beside the gateway-wide ones
+        for name in ("pdserve_experiment_requests_total", "pdserve_experiment_reward",
+                     "pdserve_experiment_allocation", "pdserve_experiment_ttft_seconds_count"):
+            assert f'{name}{{arm="{arm}",experiment="{EXPERIMENT}"}}' in metrics, (name, arm)
+    assert "pdserve_requests_total" in metrics
     status, _, body = http("POST", base + "/v1/completions", {"model": "gpt-4", "prompt": "Hi"})
     assert status == 404 and "'stories', 'stories-fp32', 'stories-int8'" in body["error"]["message"]
     with pytest.raises(grpc.RpcError) as unknown:
