@@ -1,8 +1,8 @@
 """The CUDA kernel sources compile for the H200 (sm_90) with nvcc, and the hot kernels don't spill.
 
 Runs in CI without a GPU: only the compiler is needed. The ptxas report (-Xptxas -v) gives
-registers and spills per entry point; spills in the attention kernels would put their inner
-loops through local memory, so any spill there fails the test. A second test compiles the
+registers and spills per entry point; spills in the attention kernels and the W8A16 / W4A16
+matmul would put their inner loops through local memory, so any spill there fails the test. A second test compiles the
 exact text that `cuda_ops` hands to NVRTC at run time (header pasted in, one dtype / head dim
 per module), when cupy and libnvrtc are installed.
 """
@@ -19,7 +19,7 @@ import pytest
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "pdserve" / "runtime" / "kernels" / "cuda"
 SOURCES = sorted(CUDA_DIR.glob("*.cu"))
-HOT_PREFIXES = ("paged_decode_attention_", "prefill_attention_")
+HOT_PREFIXES = ("paged_decode_attention_", "prefill_attention_", "quant_matmul_")
 ARCH = "sm_90"
 NVCC = shutil.which("nvcc")
 
@@ -61,7 +61,8 @@ def nvcc_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subproce
 
 def test_sources_present() -> None:
     names = {p.name for p in SOURCES}
-    assert {"paged_attention.cu", "prefill_attention.cu", "cache_ops.cu", "norm_rope_act.cu"} <= names
+    assert {"paged_attention.cu", "prefill_attention.cu", "cache_ops.cu", "norm_rope_act.cu",
+            "quant_matmul.cu"} <= names
 
 
 @needs_nvcc
@@ -78,7 +79,7 @@ def test_nvcc_compiles(name: str, nvcc_results: dict[str, subprocess.CompletedPr
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", ["paged_attention.cu", "prefill_attention.cu"])
+@pytest.mark.parametrize("name", ["paged_attention.cu", "prefill_attention.cu", "quant_matmul.cu"])
 def test_hot_kernels_do_not_spill(name: str, nvcc_results: dict[str, subprocess.CompletedProcess[str]]) -> None:
     res = nvcc_results[name]
     assert res.returncode == 0, f"nvcc failed on {name}:\n{res.stdout}\n{res.stderr}"
@@ -107,6 +108,7 @@ def _nvrtc():
     ("prefill_attention.cu", "bf16", 128),
     ("cache_ops.cu", None, None),
     ("norm_rope_act.cu", "f32", None),
+    ("quant_matmul.cu", "bf16", None),
 ])
 def test_nvrtc_compiles_runtime_source(filename: str, dtype: str | None, head_dim: int | None) -> None:
     """What cuda_ops compiles at run time (header inlined, filters set) builds under NVRTC."""

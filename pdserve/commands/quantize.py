@@ -1,6 +1,6 @@
 """`pdserve quantize`: weight-only quantization of a checkpoint into a GPTQ-format directory.
 
-INT8 (per output channel, symmetric) or INT4 (group-wise, with zero points), by round-to-nearest or
+INT8 (per output channel, symmetric, or asymmetric with --asym) or INT4 (group-wise, with zero points), by round-to-nearest or
 GPTQ on a calibration set; the output loads with `pdserve up --model OUT` and with GPTQ tooling.
 """
 
@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=None,
                    help="input channels per scale: 32, 64, 128, or -1 for one per output channel "
                         "(default: 128 for 4 bits, -1 for 8 bits)")
+    p.add_argument("--asym", action="store_true",
+                   help="INT8 with a zero point per output channel instead of symmetric (INT4 is always asymmetric)")
     p.add_argument("--desc-act", action="store_true", help="GPTQ in activation order (act-order)")
     p.add_argument("--calib", default="stories260k",
                    help="calibration text: builtin set name (stories260k) or a .jsonl/.txt file")
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     group = args.group_size if args.group_size is not None else (-1 if args.bits == 8 else 128)
     try:
-        spec = check_quantize_request(args.bits, group, args.method)
+        spec = check_quantize_request(args.bits, group, args.method, args.asym)
         if args.desc_act:
             if args.method != "gptq":
                 raise QuantError("--desc-act needs --method gptq")

@@ -2,7 +2,9 @@
 
 - DenseLinear: F.linear on a float weight (the FP32 path, unchanged numerics).
 - QuantLinear: a GPTQ-format weight dequantized on the fly in torch on each call (CPU, or any device
-  torch runs on); memory stays packed (bits/8 bytes per weight plus scales and zeros).
+  torch runs on); memory stays packed (bits/8 bytes per weight plus scales and zeros). On a CUDA
+  device with cupy, calls of up to `cuda_quant.MAX_ROWS` rows (decode) run the W8A16 / W4A16 kernel
+  instead, which reads the packed words directly; more rows dequantize once and run a GEMM.
 - ConcatLinear: parts whose outputs are concatenated, for fused q/k/v or gate/up that cannot be
   merged into one matrix (different g_idx, or dense next to quantized).
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +52,8 @@ class DenseLinear:
 class QuantLinear:
     """y = x @ dequant(W)^T + b with W kept packed; zero points are unpacked once (they are small)."""
 
-    __slots__ = ("qweight", "zeros", "scales", "g_idx", "bits", "in_features", "out_features", "bias", "_shifts")
+    __slots__ = ("qweight", "zeros", "scales", "g_idx", "bits", "in_features", "out_features", "bias", "_shifts",
+                 "_kernel_args")
 
     def __init__(self, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
                  bits: int, in_features: int, bias: torch.Tensor | None = None) -> None:
@@ -60,6 +65,7 @@ class QuantLinear:
         self.bias = bias
         p = per_word(bits)
         self._shifts = (torch.arange(p, dtype=torch.int32, device=qweight.device) * bits).view(1, p, 1)
+        self._kernel_args: tuple[torch.Tensor, ...] | None = None  # fp32 scales/zeros, int32 g_idx (GPU)
 
     @classmethod
     def of(cls, weights: Sequence[QuantizedWeight], bias: torch.Tensor | None = None) -> QuantLinear:
@@ -76,7 +82,14 @@ class QuantLinear:
         return (codes.to(dtype) - self.zeros[self.g_idx].to(dtype)) * self.scales[self.g_idx].to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight_t(x.dtype))  # [N, out]
+        kernel = _cuda_quant_matmul() if x.is_cuda and x.dim() == 2 else None
+        if kernel is not None and 0 < x.shape[0] <= kernel.MAX_ROWS and x.stride(-1) == 1:
+            if self._kernel_args is None:
+                self._kernel_args = (self.scales.float().contiguous(), self.zeros.float().contiguous(),
+                                     self.g_idx.to(torch.int32).contiguous())
+            y = kernel.quant_matmul(x, self.qweight.contiguous(), *self._kernel_args, self.bits)
+        else:
+            y = torch.matmul(x, self.weight_t(x.dtype))  # [N, out]
         return y if self.bias is None else y + self.bias
 
     @property
@@ -84,6 +97,16 @@ class QuantLinear:
         """Resident bytes (zeros are held unpacked, in the scales' dtype)."""
         ts = [self.qweight, self.scales, self.zeros, self.g_idx] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+@functools.cache
+def _cuda_quant_matmul():
+    """The `cuda_quant` module when cupy works, else None (QuantLinear then stays on torch)."""
+    try:
+        from pdserve.runtime.kernels import cuda_quant  # noqa: PLC0415 (needs cupy)
+    except ImportError:
+        return None
+    return cuda_quant
 
 
 class ConcatLinear:

@@ -23,7 +23,7 @@ try:
 except Exception as exc:  # ImportError, or a cupy that cannot load its CUDA libraries
     raise ImportError(f"pdserve.runtime.kernels.cuda_ops needs a working cupy: {exc}") from exc
 
-from pdserve.runtime.kernels import torch_ops
+from pdserve.runtime.kernels import torch_ops, torch_varlen
 from pdserve.runtime.kernels.cuda_launch import (  # noqa: F401 - kernel_source, compile_options: tests
     DECODE_THREADS,
     DEFAULT_SMEM_LIMIT,
@@ -57,6 +57,16 @@ from pdserve.runtime.kernels.cuda_launch import (  # noqa: F401 - kernel_source,
 )
 
 rope_cos_sin = torch_ops.rope_cos_sin  # host-side tables: same function on every backend
+
+
+SCALED_SUFFIX = {torch.int8: "i8", torch.float8_e4m3fn: "fp8"}  # paged_attention.cu's scaled caches
+
+
+def _scaled(kv_cache: torch.Tensor) -> bool:
+    """An int8 / fp8 cache with scale rows (`pdserve.runtime.kv_cache`): written and prefilled by the
+    torch path (`kv_quant`, on the GPU: a write requantizes blocks as their range grows); decode
+    attention reads it in the kernel."""
+    return kv_cache.dtype in SCALED_SUFFIX
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,6 +184,8 @@ def write_kv(
     k and v must already have the cache's dtype; a negative slot skips its token (padding).
     Slots are not range-checked (that would need a host sync).
     """
+    if _scaled(kv_cache):
+        return torch_ops.write_kv(kv_cache, layer, k, v, slot_mapping)
     _, _, bs, kvh, d, dtype = _check_cache(kv_cache, layer)
     dev = kv_cache.device
     n = k.shape[0] if k.dim() == 3 else -1
@@ -199,11 +211,16 @@ def write_kv(
 
 
 def _check_attention_q(q: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> tuple[str, int, int, int, int]:
-    """Checks q [N, H, D] against the cache; returns (dtype suffix, H, KVH, D, block_size)."""
+    """Checks q [N, H, D] against the cache; returns (dtype suffix, H, KVH, D, block_size).
+
+    A scaled cache (int8 / fp8 codes) holds one row more than its block size: the scales."""
     _, _, bs, kvh, d, dtype = _check_cache(kv_cache, layer)
     _check_cuda(q, "q", kv_cache.device)
     suffix = _float_suffix(q, "q")
-    _check_same_dtype(kv_cache, "kv_cache", q.dtype)
+    if _scaled(kv_cache):
+        bs -= 1
+    else:
+        _check_same_dtype(kv_cache, "kv_cache", q.dtype)
     if q.dim() != 3 or q.shape[2] != d:
         raise ValueError(f"q must be [N, H, {d}], got {tuple(q.shape)}")
     _check_contiguous(q, "q")
@@ -263,6 +280,7 @@ def paged_decode_attention(
     is read back to the host. A context of 0 gives zeros.
     """
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
+    cache_suffix = f"_{SCALED_SUFFIX[kv_cache.dtype]}" if _scaled(kv_cache) else ""
     dev = q.device
     b = q.shape[0]
     if block_tables.dim() != 2:
@@ -280,11 +298,12 @@ def paged_decode_attention(
     group = h // kvh
     max_context = mb * bs
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    p = decode_partition_size(b, kvh, max_context, group, d, q.element_size(), _sm_count(index))
+    item = kv_cache.element_size()  # the kernel's row split follows the cache's element size
+    p = decode_partition_size(b, kvh, max_context, group, d, item, _sm_count(index))
     num_parts = math.ceil(max_context / p)
-    smem = decode_smem_bytes(group, d, p, q.element_size())
+    smem = decode_smem_bytes(group, d, p, item)
     layer_off, block_stride, kv_stride = _cache_strides(kv_cache, layer)
-    kernel = _kernel("paged_attention.cu", f"paged_decode_attention_{suffix}_d{d}", suffix, d)
+    kernel = _kernel("paged_attention.cu", f"paged_decode_attention_{suffix}{cache_suffix}_d{d}", suffix, d)
     part_out = part_max = part_sum = None
     if num_parts > 1:
         part_out = torch.empty((b, h, num_parts, d), dtype=torch.float32, device=dev)
@@ -320,6 +339,8 @@ def prefill_attention(
     q: [n, H, D] are the last n positions of a context of `context_len` tokens whose keys
     and values are already written into the blocks of `block_table` ([MB]) -> out [n, H, D].
     """
+    if _scaled(kv_cache):
+        return torch_ops.prefill_attention(q, kv_cache, layer, block_table, context_len, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
     dev = q.device
     n = q.shape[0]
@@ -360,6 +381,9 @@ def prefill_attention_varlen(
     and the grid is sized by the bound ceil(N / 32) + S. The lengths are trusted (checking
     them would need a host sync): 0 <= n_s <= context_lens[s] <= MB * block_size.
     """
+    if _scaled(kv_cache):
+        return torch_varlen.prefill_attention_varlen(q, kv_cache, layer, cu_seqlens_q, context_lens,
+                                                     block_tables, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
     dev = q.device
     if block_tables.dim() != 2:

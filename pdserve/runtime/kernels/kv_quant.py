@@ -6,6 +6,9 @@ per step), so its scale can only grow: when new tokens exceed the range, the blo
 codes of that head are requantized to the new scale (round(code * old / new)), each time adding
 at most half a step of the new scale. A write that starts a block (offset 0) ignores the stale
 scale a reused block still carries.
+
+Indexing goes through a uint8 view of the cache: gathers and scatters then only move bytes, which
+every device supports for every dtype (torch lacks some float8 index kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -65,11 +68,13 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
     old = scales[blocks].masked_fill_(fresh[:, None, None], 0.0)
     new = torch.maximum(old, need / SCALED_QMAX[kv_cache.dtype]).clamp_(min=_TINY)
     grown = ((new > old) & (old > 0)).flatten(1).any(1)
+    raw, dtype = kv_cache.view(torch.uint8), kv_cache.dtype
     if grown.any():
         g = blocks[grown]
         ratio = (old[grown] / new[grown])[:, :, None, :, None]  # [G, 2, 1, KVH, 1]
-        kv_cache[g, layer, :, :bs] = encode(kv_cache[g, layer, :, :bs].float() * ratio, kv_cache.dtype)
-    codes = encode(x / new[inverse].unsqueeze(-1), kv_cache.dtype)
-    kv_cache[block_ids, layer, 0, offsets] = codes[:, 0]
-    kv_cache[block_ids, layer, 1, offsets] = codes[:, 1]
+        codes = raw[g, layer, :, :bs].view(dtype).float() * ratio
+        raw[g, layer, :, :bs] = encode(codes, dtype).view(torch.uint8)
+    codes = encode(x / new[inverse].unsqueeze(-1), dtype).view(torch.uint8)
+    raw[block_ids, layer, 0, offsets] = codes[:, 0]
+    raw[block_ids, layer, 1, offsets] = codes[:, 1]
     scales[blocks] = new

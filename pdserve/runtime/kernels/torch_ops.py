@@ -81,13 +81,14 @@ def _gather_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor) ->
     CPU than advanced indexing of the 6-d cache. A scaled cache comes back dequantized (fp32).
     """
     nb, layers, _, rows, kvh, d = kv_cache.shape
-    slabs = kv_cache.view(nb, layers * 2, rows * kvh * d)
+    scaled = is_scaled(kv_cache.dtype)
+    slabs = (kv_cache.view(torch.uint8) if scaled else kv_cache).view(nb, layers * 2, rows * kvh * d)
     flat = block_table.reshape(-1)
     k = slabs[:, 2 * layer].index_select(0, flat)
     v = slabs[:, 2 * layer + 1].index_select(0, flat)
-    if is_scaled(kv_cache.dtype):
-        k = kv_quant.dequantize_slabs(k.view(-1, rows, kvh, d))
-        v = kv_quant.dequantize_slabs(v.view(-1, rows, kvh, d))
+    if scaled:  # bytes gathered (see kv_quant), dequantized here
+        k = kv_quant.dequantize_slabs(k.view(kv_cache.dtype).view(-1, rows, kvh, d))
+        v = kv_quant.dequantize_slabs(v.view(kv_cache.dtype).view(-1, rows, kvh, d))
     shape = (*block_table.shape[:-1], block_table.shape[-1] * block_size_of(kv_cache), kvh, d)
     return k.view(shape), v.view(shape)
 

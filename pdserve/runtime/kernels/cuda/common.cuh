@@ -31,6 +31,22 @@ __device__ __forceinline__ float to_float(bf16_t x) {
     return __uint_as_float(static_cast<unsigned int>(x.bits) << 16);
 }
 
+// KV cache codes of the scaled formats (value = code * per-block, per-head scale): int8 is a
+// plain signed char; fp8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no inf)
+// travels as its raw byte and is widened exactly by bit manipulation (no sm_89 cvt needed).
+struct fp8e4m3_t { unsigned char bits; };
+
+__device__ __forceinline__ float to_float(signed char x) { return static_cast<float>(x); }
+
+__device__ __forceinline__ float to_float(fp8e4m3_t x) {
+    const unsigned int u = x.bits;
+    const unsigned int e = (u >> 3) & 0xfu;
+    const unsigned int m = u & 7u;
+    const float mag = e ? __uint_as_float(((e + 120u) << 23) | (m << 20))
+                        : static_cast<float>(m) * 0.001953125f;  // subnormal: m * 2^-9
+    return (u & 0x80u) ? -mag : mag;
+}
+
 template <typename T> __device__ __forceinline__ T from_float(float f);
 
 template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }

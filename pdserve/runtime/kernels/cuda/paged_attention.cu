@@ -19,6 +19,12 @@
 //
 // Numerics: q is converted to fp32 and pre-multiplied by `scale`; dot products, softmax
 // (max-subtracted, __expf) and the P.V accumulation are fp32; the output is rounded once.
+//
+// Scaled caches (C = signed char for int8, fp8e4m3_t for fp8; entry points
+// paged_decode_attention_<dtype>_<i8|fp8>_d<D>): each (block, layer, k/v) slab has BS + 1 rows,
+// the last holding one fp32 scale per kv head at the start of that head's D-byte slot; a K or
+// V row is widened to fp32 and multiplied by its block's scale as it is loaded. `block_size`
+// is the number of token rows (BS); the strides come from the cache tensor (BS + 1 rows).
 #include "common.cuh"
 
 constexpr int DECODE_THREADS = 128;
@@ -43,14 +49,33 @@ struct RowSplit {
 //   q_s [G*D] | logits [G*P] | red [THREADS*VEC] | stats [2*G]
 // (see paged_decode_smem_floats in cuda_ops.py).
 
-template <typename T, int D>
+template <typename C> struct CacheScaled { static constexpr bool value = false; };
+template <> struct CacheScaled<signed char> { static constexpr bool value = true; };
+template <> struct CacheScaled<fp8e4m3_t> { static constexpr bool value = true; };
+
+// Loads VEC elements of one K/V row and, for a scaled cache, applies the block's scale of this
+// head, found in the slab's row `block_size` (head_base points at this head's row 0 of the layer).
+template <typename C, int VEC>
+__device__ __forceinline__ void load_row(const C* __restrict__ head_base, long long blk, long long block_stride,
+                                         int off, int block_size, long long row_stride, int col,
+                                         float (&out)[VEC]) {
+    const C* slab = head_base + blk * block_stride;
+    load_vec<C, VEC>(slab + off * row_stride + col, out);
+    if constexpr (CacheScaled<C>::value) {
+        const float s = *reinterpret_cast<const float*>(slab + block_size * row_stride);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] *= s;
+    }
+}
+
+template <typename T, typename C, int D>
 __device__ __forceinline__ void paged_decode_partition(
     T* __restrict__ out,                    // [B, H, D]           (single-partition launch)
     float* __restrict__ part_out,           // [B, H, NP, D]       (multi-partition launch)
     float* __restrict__ part_max,           // [B, H, NP]
     float* __restrict__ part_sum,           // [B, H, NP]
     const T* __restrict__ q,                // [B, H, D]
-    const T* __restrict__ cache,            // [NB, L, 2, BS, KVH, D]
+    const C* __restrict__ cache,            // [NB, L, 2, BS (+ 1 if scaled), KVH, D]
     const long long* __restrict__ block_tables,  // [B, MB]
     const long long* __restrict__ context_lens,  // [B]
     long long layer_offset,                 // layer * (2 * BS * KVH * D)
@@ -58,7 +83,7 @@ __device__ __forceinline__ void paged_decode_partition(
     long long kv_stride,                    // BS * KVH * D: keys -> values
     int block_size, int max_blocks, int num_heads, int num_kv_heads,
     int partition_size, int num_partitions, float scale) {
-    using S = RowSplit<T, D>;
+    using S = RowSplit<C, D>;
     constexpr int VEC = S::VEC;
     constexpr int TG = S::TG;
     constexpr int NG = DECODE_THREADS / TG;  // thread groups: tokens handled at once
@@ -99,8 +124,8 @@ __device__ __forceinline__ void paged_decode_partition(
     __syncthreads();
 
     const long long* table = block_tables + static_cast<long long>(b) * max_blocks;
-    const T* k_head = cache + layer_offset + static_cast<long long>(kvh) * D;  // keys of kvh
-    const T* v_head = k_head + kv_stride;                                     // values of kvh
+    const C* k_head = cache + layer_offset + static_cast<long long>(kvh) * D;  // keys of kvh
+    const C* v_head = k_head + kv_stride;                                     // values of kvh
 
     // ---- phase 1: logits[g][t] = q_g . k_t for the partition's tokens ---------------------
     // Thread group `grp` (TG lanes) takes token start + grp, then + NG, ...; lane `lg` holds
@@ -114,9 +139,8 @@ __device__ __forceinline__ void paged_decode_partition(
             const bool valid = t < end;
             float k[VEC];
             if (valid) {
-                const long long blk = table[t / block_size];
-                const int off = t % block_size;
-                load_vec<T, VEC>(k_head + blk * block_stride + off * row_stride + lg * VEC, k);
+                load_row<C, VEC>(k_head, table[t / block_size], block_stride, t % block_size, block_size,
+                                 row_stride, lg * VEC, k);
             } else {
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) k[j] = 0.0f;
@@ -158,12 +182,12 @@ __device__ __forceinline__ void paged_decode_partition(
     __syncthreads();
 
     // ---- phase 3: o[g][:] = sum_t logits[g][t] * v_t ---------------------------------------
-    // Work item w = (g, c) owns elements [c*VEC, (c+1)*VEC) of head g's output (C = TG chunks
-    // per row). With W = G*C <= THREADS the spare threads split the tokens into NS slices
+    // Work item w = (g, c) owns elements [c*VEC, (c+1)*VEC) of head g's output (NC = TG chunks
+    // per row). With W = G*NC <= THREADS the spare threads split the tokens into NS slices
     // whose partial sums meet in `red`; with more work items than threads each thread loops
     // over several items and all tokens.
-    const int C = TG;
-    const int W = G * C;
+    const int NC = TG;
+    const int W = G * NC;
     const long long out_row0 = static_cast<long long>(b) * num_heads + head0;  // (b, head0)
     auto emit = [&](int g, int d, float value) {
         // value: unnormalised sum of exp * V for element d of head g.
@@ -178,17 +202,16 @@ __device__ __forceinline__ void paged_decode_partition(
         const int slice = tid / W;
         const int w = tid % W;
         if (slice < NS) {
-            const int g = w / C;
-            const int c = w % C;
+            const int g = w / NC;
+            const int c = w % NC;
             float acc[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
             const float* p_row = logits + g * P;
             for (int t = start + slice; t < end; t += NS) {
-                const long long blk = table[t / block_size];
-                const int off = t % block_size;
                 float v[VEC];
-                load_vec<T, VEC>(v_head + blk * block_stride + off * row_stride + c * VEC, v);
+                load_row<C, VEC>(v_head, table[t / block_size], block_stride, t % block_size, block_size,
+                                 row_stride, c * VEC, v);
                 const float p = p_row[t - start];
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
@@ -197,7 +220,7 @@ __device__ __forceinline__ void paged_decode_partition(
             for (int j = 0; j < VEC; ++j) red[(slice * W + w) * VEC + j] = acc[j];
         }
         __syncthreads();
-        // Element e = w*VEC + j = g*D + d (since C*VEC = D).
+        // Element e = w*VEC + j = g*D + d (since NC*VEC = D).
         for (int e = tid; e < W * VEC; e += DECODE_THREADS) {
             float sum = 0.0f;
             for (int s = 0; s < NS; ++s) sum += red[s * W * VEC + e];
@@ -205,17 +228,16 @@ __device__ __forceinline__ void paged_decode_partition(
         }
     } else {
         for (int w = tid; w < W; w += DECODE_THREADS) {
-            const int g = w / C;
-            const int c = w % C;
+            const int g = w / NC;
+            const int c = w % NC;
             float acc[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
             const float* p_row = logits + g * P;
             for (int t = start; t < end; ++t) {
-                const long long blk = table[t / block_size];
-                const int off = t % block_size;
                 float v[VEC];
-                load_vec<T, VEC>(v_head + blk * block_stride + off * row_stride + c * VEC, v);
+                load_row<C, VEC>(v_head, table[t / block_size], block_stride, t % block_size, block_size,
+                                 row_stride, c * VEC, v);
                 const float p = p_row[t - start];
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
@@ -286,7 +308,7 @@ __device__ __forceinline__ void paged_decode_reduce(
             long long layer_offset, long long block_stride, long long kv_stride,                \
             int block_size, int max_blocks, int num_heads, int num_kv_heads,                    \
             int partition_size, int num_partitions, float scale) {                              \
-        paged_decode_partition<T, D>(out, part_out, part_max, part_sum, q, cache,               \
+        paged_decode_partition<T, T, D>(out, part_out, part_max, part_sum, q, cache,            \
                                      block_tables, context_lens, layer_offset, block_stride,    \
                                      kv_stride, block_size, max_blocks, num_heads,              \
                                      num_kv_heads, partition_size, num_partitions, scale);      \
@@ -302,6 +324,35 @@ PDS_FOR_EACH_DTYPE(PDS_DECODE_DHOST)
 PDS_FOR_EACH_DTYPE(PDS_DECODE_D64)
 #define PDS_DECODE_D128(SUFFIX, T) PDS_DECODE_ENTRY(SUFFIX, T, 128)
 PDS_FOR_EACH_DTYPE(PDS_DECODE_D128)
+#endif
+
+// Scaled caches: paged_decode_attention_<dtype>_<i8|fp8>_d<D>, same arguments with a byte cache.
+#define PDS_DECODE_SCALED_ENTRY(SUFFIX, T, CSUFFIX, C, D) PDS_DECODE_SCALED_ENTRY_(SUFFIX, T, CSUFFIX, C, D)
+#define PDS_DECODE_SCALED_ENTRY_(SUFFIX, T, CSUFFIX, C, D)                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                                \
+        paged_decode_attention_##SUFFIX##_##CSUFFIX##_d##D(                                     \
+            T* out, float* part_out, float* part_max, float* part_sum, const T* q,              \
+            const C* cache, const long long* block_tables, const long long* context_lens,       \
+            long long layer_offset, long long block_stride, long long kv_stride,                \
+            int block_size, int max_blocks, int num_heads, int num_kv_heads,                    \
+            int partition_size, int num_partitions, float scale) {                              \
+        paged_decode_partition<T, C, D>(out, part_out, part_max, part_sum, q, cache,            \
+                                        block_tables, context_lens, layer_offset, block_stride, \
+                                        kv_stride, block_size, max_blocks, num_heads,           \
+                                        num_kv_heads, partition_size, num_partitions, scale);   \
+    }
+#define PDS_DECODE_SCALED_BOTH(SUFFIX, T, D)                     \
+    PDS_DECODE_SCALED_ENTRY(SUFFIX, T, i8, signed char, D)       \
+    PDS_DECODE_SCALED_ENTRY(SUFFIX, T, fp8, fp8e4m3_t, D)
+
+#if defined(PDS_HEAD_DIM)
+#define PDS_DECODE_SCALED_DHOST(SUFFIX, T) PDS_DECODE_SCALED_BOTH(SUFFIX, T, PDS_HEAD_DIM)
+PDS_FOR_EACH_DTYPE(PDS_DECODE_SCALED_DHOST)
+#else
+#define PDS_DECODE_SCALED_D64(SUFFIX, T) PDS_DECODE_SCALED_BOTH(SUFFIX, T, 64)
+PDS_FOR_EACH_DTYPE(PDS_DECODE_SCALED_D64)
+#define PDS_DECODE_SCALED_D128(SUFFIX, T) PDS_DECODE_SCALED_BOTH(SUFFIX, T, 128)
+PDS_FOR_EACH_DTYPE(PDS_DECODE_SCALED_D128)
 #endif
 
 #define PDS_DECODE_REDUCE_ENTRY(SUFFIX, T)                                                      \
