@@ -10,7 +10,7 @@ balancers, `pdserve.healthcheck`) and reflection (service discovery, no data).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -51,14 +51,22 @@ def wrapped(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHan
     def stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
         async def run(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
             async with around(context):
-                result = behavior(request_or_iterator, context)
-                if hasattr(result, "__aiter__"):
-                    async for item in result:
-                        yield item
-                else:  # a coroutine handler that writes with context.write()
-                    await result
+                async for item in streamed(behavior, request_or_iterator, context):
+                    yield item
         return run
     return same_kind(handler, unary, stream)
+
+
+async def streamed(behavior: Callable[..., Any], request_or_iterator: Any,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    """The responses of a streaming-response behavior: an async generator, or a coroutine that
+    writes them itself with context.write() (then nothing is yielded here)."""
+    result = behavior(request_or_iterator, context)
+    if hasattr(result, "__aiter__"):
+        async for item in result:
+            yield item
+    else:
+        await result
 
 
 def same_kind(handler: grpc.RpcMethodHandler, unary: Callable[[Any], Any], stream: Callable[[Any], Any]

@@ -304,12 +304,8 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, parent: otel_cont
             span = start()
             with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
                 try:
-                    result = behavior(request_or_iterator, context)
-                    if hasattr(result, "__aiter__"):
-                        async for item in result:
-                            yield item
-                    else:  # a coroutine handler that writes with context.write()
-                        await result
+                    async for item in interceptors.streamed(behavior, request_or_iterator, context):
+                        yield item
                 except BaseException as exc:
                     finish(span, context, exc)
                     raise
