@@ -7,7 +7,10 @@ generated input at it, and ends with `assert_still_healthy`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import grpc
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -16,7 +19,7 @@ from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.soak.invariants import kv_problems, wait_quiet
-from pdserve.stack import Stack
+from pdserve.stack import Stack, start_stack
 from pdserve.v1 import common_pb2, gateway_pb2
 
 # What the gateway documents for a request it cannot serve as asked (service.py, limits.py,
@@ -43,6 +46,22 @@ def reference_ids() -> list[int]:
     ids = checkpoint.tokenizer.encode(REFERENCE_PROMPT)
     params = SamplingParams(max_tokens=REFERENCE_TOKENS, temperature=0)
     return Engine.from_checkpoint(checkpoint).generate([ids], params)[0].output_ids
+
+
+def stack_fixture(*extra: str) -> Callable[[], Iterator[Stack]]:
+    """A module-scoped fixture `stack`: 1 prefill, 1 decode, kvstore, gateway; `extra` up flags."""
+    @pytest.fixture(scope="module")
+    def stack() -> Iterator[Stack]:
+        s = start_stack(1, 1, *extra)
+        yield s
+        s.stop()
+    return stack
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[int]:
+    """The reference output `assert_still_healthy` compares with (import it into the module)."""
+    return reference_ids()
 
 
 def stream_outcome(call, max_chunks: int = 4) -> tuple[grpc.StatusCode, str]:

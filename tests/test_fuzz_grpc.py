@@ -6,12 +6,11 @@ message; afterwards the stack still serves the reference output and holds no KV.
 from __future__ import annotations
 
 import grpc
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fuzz_support import FUZZ, assert_documented, assert_still_healthy, reference_ids, stream_outcome
-from pdserve.stack import start_stack
+from fuzz_support import (FUZZ, assert_documented, assert_still_healthy, expected,  # noqa: F401 (fixture)
+                          stack_fixture, stream_outcome)
 from pdserve.v1 import common_pb2, gateway_pb2
 
 INT32 = st.one_of(st.sampled_from([0, -1, 1, 2**31 - 1, -2**31, 511, 512, 100000]),
@@ -64,16 +63,7 @@ ROLE = st.one_of(VALID_ROLE, VALID_ROLE, VALID_ROLE, st.sampled_from(["", "tool"
 MESSAGES = st.lists(st.builds(gateway_pb2.ChatMessage, role=ROLE, content=PROMPT), max_size=5)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack(1, 1)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return reference_ids()
+stack = stack_fixture()
 
 
 @FUZZ_SETTINGS

@@ -9,13 +9,11 @@ import json
 import urllib.error
 import urllib.request
 
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fuzz_support import FUZZ, assert_still_healthy, reference_ids
+from fuzz_support import FUZZ, assert_still_healthy, expected, stack_fixture  # noqa: F401 (fixture)
 from pdserve.commands.up import free_port
-from pdserve.stack import start_stack
 
 MODEL = "stories260K"
 ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}
@@ -65,16 +63,7 @@ def body(draw, prompt_field: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack(1, 1, "--http-port", str(free_port()))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return reference_ids()
+stack = stack_fixture("--http-port", str(free_port()))
 
 
 def post(stack, path: str, data: bytes) -> tuple[int, bytes]:

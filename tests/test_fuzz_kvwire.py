@@ -11,14 +11,12 @@ from __future__ import annotations
 import uuid
 
 import grpc
-import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fuzz_support import FUZZ, assert_still_healthy, reference_ids
+from fuzz_support import FUZZ, assert_still_healthy, expected, stack_fixture  # noqa: F401 (fixture)
 from pdserve.kvwire import _HEADER, HEADER_SIZE, BlockSpec, KVBlockError, decode_block, encode_block
-from pdserve.stack import start_stack
 from pdserve.v1 import kvstore_pb2
 
 SPEC = BlockSpec("ab" * 16, torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
@@ -74,16 +72,7 @@ def test_good_blocks_decode_to_what_was_encoded():
     assert num_tokens == 3 and torch.equal(block, tensor)
 
 
-@pytest.fixture(scope="module")
-def stack():
-    s = start_stack(1, 1)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def expected():
-    return reference_ids()
+stack = stack_fixture()
 
 
 def _put(stub, blocks: list[tuple[bytes, bytes]], lease: str) -> kvstore_pb2.PutBlocksResponse:
