@@ -201,3 +201,36 @@ def test_int8_greedy_decode_agrees_with_fp32(checkpoint, prompts, reference) -> 
         agree += (picks == torch.tensor(s.output_ids)).sum().item()
         total += len(s.output_ids)
     assert agree / total >= 0.96, f"INT8 KV greedy agreement {agree / total:.4f} < 0.96"
+
+
+def test_format_error_is_invalid_argument_at_the_service_edge() -> None:
+    from pdserve.grpc_server import _status_for
+    from pdserve.worker_common import WORKER_ERROR_CODES
+
+    code, message = _status_for(KVFormatError("KV blocks were made with --kv-dtype int8 ..."), WORKER_ERROR_CODES)
+    assert code.name == "INVALID_ARGUMENT" and "--kv-dtype int8" in message
+
+
+def test_stack_with_int8_kv_equals_in_process_int8_engine(checkpoint, prompts) -> None:
+    """`pdserve up --kv-dtype int8`: prefill writes INT8 blocks (header code 4, scale row) to the
+    kvstore, decode imports them; greedy output equals the in-process INT8 engine's."""
+    from pdserve.kvwire import HEADER_SIZE
+    from pdserve.stack import start_stack
+    from pdserve.v1 import common_pb2, gateway_pb2
+
+    engine = _engine(checkpoint, "int8")
+    c = checkpoint.config
+    block_bytes = HEADER_SIZE + c.num_layers * 2 * 17 * c.num_kv_heads * c.head_dim  # int8 codes + scale row
+    stack = start_stack(1, 1, "--kv-dtype", "int8")
+    try:
+        stub = stack.gateway_stub()
+        for text, ids in list(zip(PROMPTS, prompts))[:4]:
+            chunks = list(stub.Generate(gateway_pb2.GenerateRequest(
+                prompt=text, sampling=common_pb2.SamplingParams(max_tokens=24, temperature=0))))
+            got = [t for ch in chunks for t in ch.token_ids]
+            assert got == engine.generate([ids], SamplingParams(max_tokens=24, temperature=0))[0].output_ids, text
+        sent = stack.worker_stats("prefill-0").kv_bytes_sent
+        assert sent > 0 and sent % block_bytes == 0
+        assert stack.worker_stats("decode-0").kv_bytes_received > 0
+    finally:
+        stack.stop()

@@ -18,7 +18,7 @@ from pdserve.quant.quantizer import rtn_quantize
 from pdserve.quant.spec import QuantError, QuantSpec, check_quantize_request
 from pdserve.runtime.loader import ModelLoadError, load_checkpoint
 
-SPECS = [QuantSpec(8, -1, sym=True), QuantSpec(4, 32, sym=False), QuantSpec(4, 64, sym=False),
+SPECS = [QuantSpec(8, -1, sym=True), QuantSpec(8, -1, sym=False), QuantSpec(4, 32, sym=False), QuantSpec(4, 64, sym=False),
          QuantSpec(4, 128, sym=False), QuantSpec(4, -1, sym=False)]
 
 
@@ -207,6 +207,12 @@ def test_unsupported_quantize_requests_are_refused():
         check_quantize_request(4, 48, "gptq")
     with pytest.raises(QuantError, match=r"unsupported method 'awq'"):
         check_quantize_request(4, 128, "awq")
+
+
+def test_int8_is_symmetric_unless_asym_is_asked():
+    assert check_quantize_request(8, -1, "rtn").sym
+    assert not check_quantize_request(8, -1, "gptq", asym=True).sym
+    assert not check_quantize_request(4, 128, "rtn").sym
 
 
 def test_checkpoint_whose_config_and_tensors_disagree_is_refused(tmp_path, tiny_llama):

@@ -1,7 +1,9 @@
 """`pdserve quant-eval`: accuracy, memory and speed of each weight format against FP32.
 
-For every format (INT8 per channel; INT4 RTN and GPTQ at group sizes 32, 64, 128) the model is
-quantized in memory and run through our runtime's real forward (QuantLinear on the paged cache):
+For every format (INT8 per channel, symmetric and asymmetric; INT4 RTN and GPTQ at group sizes 32,
+64, 128; FP32 weights with an INT8 or FP8 KV cache; INT8 weights with an INT8 KV cache) the model is
+quantized in memory and run through our runtime's real forward (QuantLinear on the paged cache, in
+the row's KV format: every position attends to the stored, possibly quantized, keys and values):
 
 - KL(FP32 || quantized) of next-token distributions and top-1 agreement, teacher-forced at every
   position of a fixed prompt set extended by FP32's own greedy continuation;
@@ -40,10 +42,20 @@ class Format:
     group_size: int
     method: str
     desc_act: bool = False
+    sym: bool = True  # INT8 only: symmetric per channel (the issue's format) or with zero points
+    kv_dtype: str = "float32"
+
+    def weight_key(self) -> tuple:
+        return (self.bits, self.group_size, self.method, self.desc_act, self.sym)
 
 
 def default_formats(groups: tuple[int, ...] = (32, 64, 128), act_order: bool = True) -> list[Format]:
-    fmts = [Format("fp32", 32, 0, "none"), Format("int8", 8, -1, "rtn"), Format("int8-gptq", 8, -1, "gptq")]
+    fmts = [Format("fp32", 32, 0, "none"), Format("kv-int8", 32, 0, "none", kv_dtype="int8"),
+            Format("kv-fp8", 32, 0, "none", kv_dtype="fp8_e4m3"),
+            Format("int8", 8, -1, "rtn"), Format("int8-gptq", 8, -1, "gptq"),
+            Format("int8-asym", 8, -1, "rtn", sym=False), Format("int8-asym-gptq", 8, -1, "gptq", sym=False),
+            Format("int8+kv-int8", 8, -1, "rtn", kv_dtype="int8"),
+            Format("int8-asym-gptq+kv-int8", 8, -1, "gptq", sym=False, kv_dtype="int8")]
     fmts += [Format(f"int4-rtn-g{g}", 4, g, "rtn") for g in groups]
     fmts += [Format(f"int4-gptq-g{g}", 4, g, "gptq") for g in groups]
     if act_order:
@@ -62,7 +74,7 @@ class Result:
     linear_bytes: int  # decoder projections as stored in the checkpoint
     resident_linear_bytes: int  # the same, as held by the running model
     bits_per_weight: float  # linear_bytes * 8 / projection weights
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float  # measured from the cache tensor, scale rows included
     tokens_per_s: float
     quantize_s: float
 
@@ -73,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64, 128], help="INT4 group sizes")
     p.add_argument("--no-act-order", action="store_true", help="skip the GPTQ act-order row")
+    p.add_argument("--only", nargs="+", default=None, metavar="FORMAT",
+                   help="run only these rows (names as in the table; fp32 always runs: it is the baseline)")
     p.add_argument("--calib", default="stories260k", help="GPTQ calibration set or file")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seq-len", type=int, default=128)
@@ -166,7 +180,7 @@ def quantized_weights(checkpoint, fmt: Format, calib):
 
     if fmt.bits == 32:
         return checkpoint.weights
-    spec = QuantSpec(fmt.bits, fmt.group_size, sym=fmt.bits == 8, desc_act=fmt.desc_act)
+    spec = QuantSpec(fmt.bits, fmt.group_size, sym=fmt.bits == 8 and fmt.sym, desc_act=fmt.desc_act)
     return quantize_model(checkpoint.config, checkpoint.weights, spec, fmt.method,
                           calib if fmt.method == "gptq" else None)
 
@@ -175,6 +189,7 @@ def evaluate(checkpoint, formats: list[Format], args: argparse.Namespace, log=pr
     from pdserve.quant.calibration import load_texts, token_chunks
     from pdserve.runtime.config import CacheConfig, EngineConfig
     from pdserve.runtime.engine import Engine
+    from pdserve.runtime.kv_cache import kv_bytes_per_token
     from pdserve.runtime.sampling_params import SamplingParams
 
     tok = checkpoint.tokenizer
@@ -187,36 +202,38 @@ def evaluate(checkpoint, formats: list[Format], args: argparse.Namespace, log=pr
     kl_seqs = [p + s.output_ids for p, s in zip(prompts, ref_engine.generate(prompts, greedy))]
     ref_kl_logits = [sequence_logits(ref_engine.runner.model, s) for s in kl_seqs]
     ref_eval_logits = [sequence_logits(ref_engine.runner.model, s) for s in eval_seqs]
-    results, ref_ppl = [], None
+    results, ref_ppl, made = [], None, {}
     for fmt in formats:
         start = time.perf_counter()
-        weights = quantized_weights(checkpoint, fmt, calib)
+        if fmt.weight_key() not in made:  # KV-only rows reuse the weights of an earlier row
+            made[fmt.weight_key()] = quantized_weights(checkpoint, fmt, calib)
+        weights = made[fmt.weight_key()]
         quantize_s = time.perf_counter() - start
-        engine = Engine(checkpoint.config, weights, checkpoint.fingerprint, cache)
+        engine = Engine(checkpoint.config, weights, checkpoint.fingerprint,
+                        EngineConfig(cache=CacheConfig(num_blocks=1024, dtype=fmt.kv_dtype)))
         model = engine.runner.model
-        kl, top1 = kl_and_top1(ref_kl_logits, [sequence_logits(model, s) for s in kl_seqs])
-        eval_logits = [sequence_logits(model, s) for s in eval_seqs]
+        kl, top1 = kl_and_top1(ref_kl_logits, [sequence_logits(model, s, kv_dtype=fmt.kv_dtype) for s in kl_seqs])
+        eval_logits = [sequence_logits(model, s, kv_dtype=fmt.kv_dtype) for s in eval_seqs]
         ppl = perplexity(eval_logits, eval_seqs)
         _, top1_text = kl_and_top1(ref_eval_logits, eval_logits)
         ref_ppl = ref_ppl or ppl
         lb, params = linear_bytes(weights)
-        kv = engine.kv_cache
         results.append(Result(
             fmt.name, kl, top1, top1_text, ppl, 100 * (ppl / ref_ppl - 1), lb, resident_bytes(model), 8 * lb / params,
-            kv[0].numel() * kv.element_size() // kv.shape[3], tokens_per_s(engine, args.num_requests), quantize_s))
+            kv_bytes_per_token(engine.kv_cache), tokens_per_s(engine, args.num_requests), quantize_s))
         log(f"{fmt.name}: done", file=sys.stderr)
     return results
 
 
 def print_table(results: list[Result]) -> None:
-    head = (f"{'format':<18}{'KL':>9}{'top-1':>8}{'top-1 txt':>10}{'ppl':>8}{'Δppl%':>8}{'lin KB':>8}{'res KB':>8}"
+    head = (f"{'format':<24}{'KL':>9}{'top-1':>8}{'top-1 txt':>10}{'ppl':>8}{'Δppl%':>8}{'lin KB':>8}{'res KB':>8}"
             f"{'bits/w':>7}{'KV B/tok':>9}{'tok/s':>8}{'quant s':>8}")
     print(head)
     for r in results:
-        print(f"{r.name:<18}{r.kl_mean:>9.5f}{100 * r.top1_agreement:>7.2f}%{100 * r.top1_eval_text:>9.2f}%"
+        print(f"{r.name:<24}{r.kl_mean:>9.5f}{100 * r.top1_agreement:>7.2f}%{100 * r.top1_eval_text:>9.2f}%"
               f"{r.perplexity:>8.3f}"
               f"{r.ppl_delta_pct:>+8.2f}{r.linear_bytes / 1024:>8.1f}{r.resident_linear_bytes / 1024:>8.1f}"
-              f"{r.bits_per_weight:>7.2f}{r.kv_bytes_per_token:>9}{r.tokens_per_s:>8.0f}{r.quantize_s:>8.1f}")
+              f"{r.bits_per_weight:>7.2f}{r.kv_bytes_per_token:>9.0f}{r.tokens_per_s:>8.0f}{r.quantize_s:>8.1f}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,7 +246,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         checkpoint = load_checkpoint(resolve_model_path(args.model))
-        results = evaluate(checkpoint, default_formats(tuple(args.groups), not args.no_act_order), args,
+        formats = default_formats(tuple(args.groups), not args.no_act_order)
+        if args.only:
+            unknown = sorted(set(args.only) - {f.name for f in formats})
+            if unknown:
+                raise QuantError(f"unknown format(s) {', '.join(unknown)} (known: {', '.join(f.name for f in formats)})")
+            formats = [f for f in formats if f.name == "fp32" or f.name in args.only]
+        results = evaluate(checkpoint, formats, args,
                            log=lambda *a, **k: print(*a, **k))
     except (QuantError, ModelLoadError) as e:
         print(f"pdserve quant-eval: error: {e}", file=sys.stderr)
