@@ -4,7 +4,6 @@ ratios, and one tiny run of the command on real stacks (stories260K)."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 import pytest
@@ -39,6 +38,13 @@ def test_token_range_flag() -> None:
     for bad in ("32-8", "a-b", "0-3"):
         with pytest.raises(argparse.ArgumentTypeError, match="MIN"):
             bench_disagg.token_range(bad)
+
+
+def test_rounds_cut_the_arrivals_into_slices_from_zero() -> None:
+    convs, offsets = list("abcdefg"), [0.0, 0.5, 1.0, 2.0, 2.5, 4.0, 7.0]
+    assert bench_disagg.rounds(convs, offsets, 3) == [
+        (["a", "b", "c"], [0.0, 0.5, 1.0]), (["d", "e", "f"], [0.0, 0.5, 2.0]), (["g"], [0.0])]
+    assert bench_disagg.rounds(convs, offsets, 1) == [(convs, offsets)]
 
 
 def test_summary_per_class_matches_numpy() -> None:

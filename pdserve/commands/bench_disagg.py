@@ -6,8 +6,11 @@ e.g. 8-32) and the rest long (--long, e.g. 500-1000), arriving open-loop as a Po
 The model is a random Llama (hidden 512, 8 layers; `bench_kv.build_random_llama`), heavy enough
 that prefill compute matters, unless --model names one.
 
-Each arm (--arms, default always-remote then conditional) starts its own stack with the gateway's
---disagg-policy and runs the same requests at the same arrival times. The request rate is --rate,
+Each arm (--arms, default always-remote then conditional) gets its own stack with the gateway's
+--disagg-policy, all up at once, and runs the same requests at the same arrival times: the
+workload is cut into --rounds slices, and each slice runs on every arm in turn (who goes first
+alternates), so that the other load of a shared machine falls on every arm alike. The stacks
+stay idle while another arm runs; each slice starts on an empty system. The request rate is --rate,
 or with --rate 0 (the default) --load times the always-remote capacity measured first on an idle
 stack: 1 / (short share * TTFT of a short prompt + long share * TTFT of a long one). That
 calibration also gives the conditional policy its --disagg-prefill-ms-per-token (the slope of TTFT
@@ -27,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", type=float, default=0.9, help="with --rate 0: the fraction of capacity to offer")
     p.add_argument("--arms", default="always-remote,conditional",
                    help=f"policies to compare, comma-separated, the first is the baseline ({', '.join(POLICIES)})")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="slices of the workload; each runs on every arm in turn (alternating who goes "
+                        "first), so a busy spell of the machine hits every arm alike")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--local-prefill-max-tokens", type=int, default=DisaggConfig().local_max_tokens,
                    help="the conditional arm's threshold (gateway flag of the same name)")
@@ -76,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in POLICIES]
-    if not arms or bad or args.requests < 1 or not 0 <= args.short_frac <= 1:
-        print(f"pdserve bench-disagg: --arms takes {', '.join(POLICIES)} (got {args.arms!r}); --requests >= 1; "
+    if not arms or bad or args.requests < 1 or args.rounds < 1 or not 0 <= args.short_frac <= 1:
+        print(f"pdserve bench-disagg: --arms takes {', '.join(POLICIES)} (got {args.arms!r}); --requests and --rounds >= 1; "
               "--short-frac in [0, 1]", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-disagg-") as tmp:
@@ -116,6 +123,7 @@ def mixed_workload(args: argparse.Namespace, tokenizer) -> list:
 
 def bench(args: argparse.Namespace, arms: list[str], model: str) -> dict[str, Any]:
     from pdserve.bench.arrivals import start_offsets
+    from pdserve.bench.client import RunResult
     from pdserve.runtime.loader import load_checkpoint
 
     conversations = mixed_workload(args, load_checkpoint(model).tokenizer)
@@ -124,29 +132,50 @@ def bench(args: argparse.Namespace, arms: list[str], model: str) -> dict[str, An
         "model": args.model or "random llama hidden 512, 8 layers (HF dir)", "requests": args.requests,
         "short_requests": shorts, "long_requests": args.requests - shorts, "short_tokens": list(args.short),
         "long_tokens": list(args.long), "max_tokens": args.max_tokens, "decode_workers": args.decode,
-        "local_prefill_max_tokens": args.local_prefill_max_tokens, "arms": {}}
-    calibration: dict[str, float] | None = None
-    for arm in arms:
-        flags = ["--disagg-policy", arm, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
-        if calibration is not None:
-            flags += ["--disagg-prefill-ms-per-token", str(calibration["prefill_ms_per_token"])]
-        stack = _start(args, model, flags)
-        try:
-            if calibration is None:
-                calibration = calibrate(stack, args)
-                rate = args.rate or args.load * calibration["capacity_rps"]
-                results.update(calibration=calibration, rate_rps=round(rate, 3))
-            offsets = start_offsets(len(conversations), results["rate_rps"], seed=args.seed)
-            results["arms"][arm] = run_arm(stack, conversations, offsets, arm)
-        finally:
+        "local_prefill_max_tokens": args.local_prefill_max_tokens, "rounds": args.rounds, "arms": {}}
+    stacks: dict[str, Any] = {}
+    try:
+        stacks[arms[0]] = _start(args, model, arms[0], None)
+        calibration = calibrate(stacks[arms[0]], args)
+        rate = args.rate or args.load * calibration["capacity_rps"]
+        results.update(calibration=calibration, rate_rps=round(rate, 3))
+        for arm in arms[1:]:
+            stacks[arm] = _start(args, model, arm, calibration["prefill_ms_per_token"])
+        offsets = start_offsets(len(conversations), rate, seed=args.seed)
+        records: dict[str, list] = {arm: [] for arm in arms}
+        seconds = dict.fromkeys(arms, 0.0)
+        remote = dict.fromkeys(arms, 0)
+        for k, (convs, offs) in enumerate(rounds(conversations, offsets, args.rounds)):
+            for arm in arms if k % 2 == 0 else arms[::-1]:  # alternate who goes first
+                result, prefills = run_round(stacks[arm], convs, offs, f"{arm}-{k}")
+                records[arm] += result.records
+                seconds[arm] += result.duration_s
+                remote[arm] += prefills
+        for arm in arms:
+            results["arms"][arm] = summarize_arm(RunResult(arm, records[arm], seconds[arm]), remote[arm])
+    finally:
+        for stack in stacks.values():
             stack.stop()
     results["ratios"] = ratios(results["arms"])
     return results
 
 
-def _start(args: argparse.Namespace, model: str, flags: list[str]):
+def rounds(conversations: list, offsets: list[float], n: int) -> list[tuple[list, list[float]]]:
+    """The workload cut into `n` consecutive slices, each slice's arrivals starting at 0."""
+    size = -(-len(conversations) // max(n, 1))
+    out = []
+    for i in range(0, len(conversations), size):
+        offs = offsets[i:i + size]
+        out.append((conversations[i:i + size], [o - offs[0] for o in offs]))
+    return out
+
+
+def _start(args: argparse.Namespace, model: str, policy: str, prefill_ms_per_token: float | None):
     from pdserve.stack import start_stack
 
+    flags = ["--disagg-policy", policy, "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+    if prefill_ms_per_token is not None:
+        flags += ["--disagg-prefill-ms-per-token", str(prefill_ms_per_token)]
     return start_stack(1, args.decode, "--model", model, "--threads", str(args.threads), *flags)
 
 
@@ -176,20 +205,21 @@ def calibrate(stack, args: argparse.Namespace, reps: int = 3) -> dict[str, float
             "prefill_ms_per_token": round(slope * 1e3, 4)}
 
 
-def run_arm(stack, conversations: list, offsets: list[float], arm: str) -> dict[str, Any]:
+def run_round(stack, conversations: list, offsets: list[float], run_id: str) -> tuple[Any, int]:
+    """(RunResult, prefills the prefill worker ran) of one slice of the workload on one stack."""
     from pdserve.bench.client import GrpcGateway, run_workload
 
     async def go():
         backend = GrpcGateway(stack.gateway_address)
         try:
-            return await run_workload(backend, conversations, offsets, label=arm, run_id=f"{arm}-{time.time():.0f}")
+            return await run_workload(backend, conversations, offsets, label=run_id,
+                                      run_id=f"{run_id}-{time.time():.0f}")
         finally:
             await backend.close()
 
     before = stack.worker_stats("prefill-0").tokens_generated
     result = asyncio.run(go())
-    remote = stack.worker_stats("prefill-0").tokens_generated - before  # one first token per prefill
-    return summarize_arm(result, remote)
+    return result, stack.worker_stats("prefill-0").tokens_generated - before  # one first token per prefill
 
 
 def summarize_arm(result, remote_prefills: int) -> dict[str, Any]:
@@ -197,7 +227,8 @@ def summarize_arm(result, remote_prefills: int) -> dict[str, Any]:
     from pdserve.bench.report import distribution_ms, request_tpot
 
     ok = [r for r in result.records if r.ok]
-    out: dict[str, Any] = {"completed": len(ok), "failed": len(result.records) - len(ok),
+    errors = Counter(r.status for r in result.records if not r.ok)
+    out: dict[str, Any] = {"completed": len(ok), "failed": len(result.records) - len(ok), "errors": dict(errors),
                            "seconds": round(result.duration_s, 2),
                            "requests_per_s": round(len(ok) / result.duration_s, 3),
                            "prefilled_remote": remote_prefills, "prefilled_local": len(ok) - remote_prefills}
@@ -244,16 +275,19 @@ def format_table(results: dict[str, Any]) -> str:
              f"{results['short_tokens']} + {results['long_requests']} long {results['long_tokens']} prompt tokens, "
              f"{results['max_tokens']} output tokens; idle TTFT short {cal.get('short_ttft_ms')} ms, "
              f"long {cal.get('long_ttft_ms')} ms"]
-    ratio = results["ratios"].get(f"{names[-1]}/{names[0]}", {}) if len(names) > 1 else {}
-    header = f"{'':<22}" + "".join(f"{n:>16}" for n in names) + (f"{'ratio':>10}" if ratio else "")
+    later = [f"{n}/{names[0]}" for n in names[1:]]
+    short_name = lambda n: n.split("-")[-1]  # noqa: E731 - "conditional/remote"
+    header = (f"{'':<22}" + "".join(f"{n:>16}" for n in names)
+              + "".join(f"{short_name(n) + '/' + short_name(names[0]):>20}" for n in names[1:]))
     lines.append(header)
-    rows = [("requests/s", None, "requests_per_s"), ("prefilled remote", None, "prefilled_remote"),
+    rows = [("requests/s", None, "requests_per_s"), ("failed", None, "failed"),
+            ("prefilled remote", None, "prefilled_remote"),
             ("prefilled local", None, "prefilled_local")]
     rows += [(f"{cls} {key[:-3].replace('_', ' ')} ms", cls, key) for cls in ("short", "long", "all")
              for key in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")]
     for label, cls, key in rows:
         values = [arms[n][cls][key] if cls else arms[n][key] for n in names]
-        r = ratio.get(f"{cls}_{key}" if cls else key)
+        ratio_values = [results["ratios"][r].get(f"{cls}_{key}" if cls else key) for r in later]
         lines.append(f"{label:<22}" + "".join(f"{str(v):>16}" for v in values)
-                     + (f"{str(r) if r is not None else '':>10}" if ratio else ""))
+                     + "".join(f"{str(r) if r is not None else '':>20}" for r in ratio_values))
     return "\n".join(lines)
