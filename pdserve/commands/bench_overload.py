@@ -3,8 +3,9 @@ and without, and report what the admitted requests saw and how fast the refused 
 
     pdserve bench-overload --overload 10 --duration 10 --json out.json
 
-One stack (kvstore, prefill, decode workers) with two gateways over the same workers: the
-baseline gateway (only the in-flight cap, `--max-inflight`) and one with `--admission-ttft-slo-ms`.
+One stack (kvstore, prefill, decode workers) with two more gateways over the same workers: the
+baseline gateway (only the in-flight cap, `--max-inflight`) and one with `--admission-ttft-slo-ms`,
+each serving Prometheus metrics so that its own TTFT histogram can be read besides the client's.
 Steps, in order:
   1. sustainable rate: a closed loop at --concurrency through the baseline gateway (completed
      requests per second while every client was busy); its TTFT P99 x 1.25 is the SLO unless
@@ -142,17 +143,24 @@ def saturated_rate(records: Sequence, concurrency: int) -> float:
     return round((len(steady) - 1) / (steady[-1] - steady[0]), 2)
 
 
-def open_loop(address: str, tokenizer, rate: float, args: argparse.Namespace, label: str, seed: int,
+def open_loop(gateway: Gateway, tokenizer, rate: float, args: argparse.Namespace, label: str, seed: int,
               slo_ms: float) -> dict[str, Any]:
-    """Poisson arrivals at `rate` for `--duration` seconds; waits for every admitted request."""
+    """Poisson arrivals at `rate` for `--duration` seconds; waits for every admitted request. Also
+    the TTFT the gateway measured (from the request reaching its handler): the client's TTFT less
+    the time the request waited in the client and in the gateway before it was even read."""
     from pdserve.bench.arrivals import start_offsets
 
     n = max(1, round(rate * args.duration))
     conversations = workload(tokenizer, n, args, seed)
     offsets = start_offsets(n, rate, seed=seed)
-    run, refusals = asyncio.run(run_load(address, conversations, offsets, label, args, rate=rate,
+    before = ttft_buckets(gateway)
+    run, refusals = asyncio.run(run_load(gateway.address, conversations, offsets, label, args, rate=rate,
                                          run_id=f"open{seed}"))
-    return summarize(run, refusals, slo_ms) | {"offered_rate": round(rate, 2), "offered": n}
+    after = ttft_buckets(gateway)
+    return summarize(run, refusals, slo_ms) | {
+        "offered_rate": round(rate, 2), "offered": n,
+        "gateway_ttft_p50_ms": histogram_quantile(0.5, before, after),
+        "gateway_ttft_p99_ms": histogram_quantile(0.99, before, after)}
 
 
 def _ms(values: Sequence[float], q: float) -> float | None:
@@ -185,19 +193,55 @@ def summarize(run, refusals: Sequence[Refusal], slo_ms: float) -> dict[str, Any]
     }
 
 
-def start_admission_gateway(stack, slo_ms: float):
-    """A second gateway over the stack's workers, with SLO-aware admission on."""
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    address: str
+    metrics_port: int  # its Prometheus /metrics, for the TTFT it measured itself
+
+
+def start_gateway(stack, name: str, *flags: str) -> Gateway:
+    """Another gateway over the stack's workers (with `flags`), serving /metrics on a port of its own."""
     from pdserve.commands.up import free_port
 
     spec = stack.gateway.spec
-    address = f"{spec.address.rsplit(':', 1)[0]}:{free_port()}"
+    address, metrics_port = f"{spec.address.rsplit(':', 1)[0]}:{free_port()}", free_port()
     command = list(spec.command)
     command[command.index("--bind") + 1] = address
-    command += ["--admission-ttft-slo-ms", str(slo_ms), "--http-port", "0"]
-    child = stack.supervisor.start(replace(spec, name="gateway-admission", address=address, command=tuple(command)))
+    command += [*flags, "--http-port", "0"]
+    child = stack.supervisor.start(replace(spec, name=name, address=address, command=tuple(command),
+                                           env=(*spec.env, ("PDSERVE_METRICS_PORT", str(metrics_port)))))
     if not stack.supervisor.wait_serving([child], timeout_s=180):
-        raise RuntimeError("the admission gateway did not start:\n" + child.last_output())
-    return child
+        raise RuntimeError(f"{name} did not start:\n" + child.last_output())
+    return Gateway(address, metrics_port)
+
+
+def ttft_buckets(gateway: Gateway) -> dict[float, float]:
+    """The gateway's pdserve_ttft_seconds histogram: upper bound -> cumulative count."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=10).read().decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "pdserve_ttft_seconds")
+    return {float(s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
+
+
+def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The q-quantile (0..1) of what a cumulative histogram gained between two scrapes, in ms,
+    interpolated linearly within its bucket (as Prometheus' histogram_quantile)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return None
+    rank, lower, below = q * counts[-1], 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts):
+        if cumulative >= rank:
+            if math.isinf(bound):
+                return round(lower * 1000, 1)
+            share = (rank - below) / (cumulative - below) if cumulative > below else 1.0
+            return round((lower + (bound - lower) * share) * 1000, 1)
+        lower, below = bound, cumulative
+    return None
 
 
 def auto_slo_ms(sustainable: dict[str, Any]) -> float:
@@ -224,19 +268,19 @@ def run(args: argparse.Namespace) -> int:
     stack = start_stack(args.prefill, args.decode, "--threads", str(args.threads),
                         "--max-inflight", str(args.max_inflight), *extra)
     try:
-        base = stack.gateway_address
-        warm_up(base, tokenizer, args)
-        sustainable = closed_loop(base, tokenizer, args, "sustainable", args.seed + 1, args.slo_ms or math.inf,
+        base = start_gateway(stack, "gateway-baseline")
+        warm_up(base.address, tokenizer, args)
+        sustainable = closed_loop(base.address, tokenizer, args, "sustainable", args.seed + 1, args.slo_ms or math.inf,
                                   args.concurrency)
         slo_ms = args.slo_ms or auto_slo_ms(sustainable)
         if not args.slo_ms:  # measured before there was an SLO
             sustainable.pop("within_slo"), sustainable.pop("goodput_per_s")
         rate = args.overload * sustainable["saturated_per_s"]
         baseline = open_loop(base, tokenizer, rate, args, "admission off", args.seed + 2, slo_ms)
-        adm = start_admission_gateway(stack, slo_ms).spec.address
-        warm_up(adm, tokenizer, args)
+        adm = start_gateway(stack, "gateway-admission", "--admission-ttft-slo-ms", str(slo_ms))
+        warm_up(adm.address, tokenizer, args)
         # Learning admits a few requests per prefill worker: more clients would only be refused.
-        learning = closed_loop(adm, tokenizer, args, "admission warm-up", args.seed + 3, slo_ms,
+        learning = closed_loop(adm.address, tokenizer, args, "admission warm-up", args.seed + 3, slo_ms,
                                min(args.concurrency, LEARNING_CLIENTS_PER_WORKER * args.prefill))
         admitted = open_loop(adm, tokenizer, rate, args, "admission on", args.seed + 4, slo_ms)
     finally:
@@ -254,17 +298,19 @@ def report(sustainable: dict, learning: dict, runs: list[dict], slo_ms: float, a
     print(f"sustainable (closed loop, {args.concurrency} clients): {rate:.2f} req/s, "
           f"{sustainable['output_tokens_per_s']:.1f} tok/s, TTFT p99 {sustainable['ttft_p99_ms']} ms; "
           f"offered {args.overload:g}x = {runs[0]['offered_rate']:.1f} req/s for {args.duration:g} s; SLO {slo_ms:g} ms")
-    head = ("run", "offered", "done", "refused", "other", "TTFT p50", "TTFT p99", "in SLO",
+    head = ("run", "offered", "done", "refused", "other", "TTFT p50", "TTFT p99", "gw p50", "gw p99", "in SLO",
             "refuse p50", "refuse p99", "req/s", "tok/s", "vs sust.")
     print("".join(f"{h:>11}" if i else f"{h:<15}" for i, h in enumerate(head)))
     for r in runs:
         cells = (r["offered"], r["completed"], r["refused"], sum(r["other_errors"].values()),
-                 _cell(r["ttft_p50_ms"]), _cell(r["ttft_p99_ms"]), _cell(r["within_slo"]),
+                 _cell(r["ttft_p50_ms"]), _cell(r["ttft_p99_ms"]), _cell(r["gateway_ttft_p50_ms"]),
+                 _cell(r["gateway_ttft_p99_ms"]), _cell(r["within_slo"]),
                  _cell(r["refusal_p50_ms"]), _cell(r["refusal_p99_ms"]), r["completed_per_s"],
                  r["output_tokens_per_s"], _cell(r["throughput_vs_sustainable"]))
         print(f"{r['label']:<15}" + "".join(f"{c:>11}" for c in cells))
-    print("(ms; 'in SLO': share of completed requests with TTFT within the SLO; "
-          "'vs sust.': completed req/s over the sustainable rate)")
+    print("(ms; TTFT as the client saw it, 'gw': as the gateway measured it from its handler; 'in SLO': "
+          "share of completed requests with client TTFT within the SLO; 'vs sust.': completed req/s over "
+          "the sustainable rate)")
     if args.json:
         write_json(args.json, data)
     return 0
