@@ -9,6 +9,7 @@ import json
 import urllib.error
 import urllib.request
 
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -117,6 +118,14 @@ def test_deeply_nested_json_is_a_400(stack):
     status, payload = post(stack, "/v1/completions", b"[" * 100000)
     assert status == 400, payload
     assert "nested too deeply" in json.loads(payload)["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 2**63), ("stop_token_ids", [2**40])])
+def test_values_beyond_int32_name_their_field(stack, field, value):
+    # Found by fuzzing: protobuf's "Value out of range: 9223372036854775808" came back, naming no field.
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2, field: value}
+    status, payload = post(stack, "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and json.loads(payload)["error"]["param"] == field, payload
 
 
 def test_stack_healthy_after_fuzzing(stack, expected):

@@ -26,6 +26,7 @@ from pdserve.runtime.sampling_params import SamplingParams
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as protobuf int32
 
 # Fields pdserve cannot honour, with the values that mean "not used" (sent by some SDKs anyway).
 _UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
@@ -105,7 +106,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
     if top_p == 0:
         raise ApiError(400, "top_p must be greater than 0 and at most 1", param="top_p")
     # vLLM's extra sampling fields, for clients written against it (top_k -1 means off there)
-    top_k = _optional_int(body, "top_k", -1)
+    top_k = _optional_int(body, "top_k", -1, INT32_MAX)
     repetition_penalty = _optional_number(body, "repetition_penalty", 0.0, None)
     try:
         return SamplingParams(
@@ -211,7 +212,8 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _optional_int(body: Mapping[str, Any], name: str, minimum: int | None) -> int | None:
+def _optional_int(body: Mapping[str, Any], name: str, minimum: int | None,
+                  maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -219,6 +221,8 @@ def _optional_int(body: Mapping[str, Any], name: str, minimum: int | None) -> in
         raise ApiError(400, f"{name} must be an integer, got {value!r}", param=name)
     if minimum is not None and value < minimum:
         raise ApiError(400, f"{name} must be at least {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise ApiError(400, f"{name} must be at most {maximum}, got {value}", param=name)
     return value
 
 
@@ -245,8 +249,9 @@ def _int_list(body: Mapping[str, Any], name: str) -> tuple[int, ...]:
     value = body.get(name)
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ApiError(400, f"{name} must be an array of integers", param=name)
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                              and 0 <= v <= INT32_MAX for v in value):
+        raise ApiError(400, f"{name} must be an array of token ids (integers from 0 to {INT32_MAX})", param=name)
     return tuple(value)
 
 
