@@ -70,8 +70,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid, prompt = request.request_id, list(request.prompt_token_ids)
         if not rid:
             raise ValueError("request_id is empty: the gateway names every request")
-        if not 0 <= request.resumed_tokens < len(prompt):
-            raise ValueError(f"resumed_tokens must be in [0, {len(prompt)}), got {request.resumed_tokens}")
+        if request.resumed_tokens < 0 or (prompt and request.resumed_tokens >= len(prompt)):
+            raise ValueError(f"resumed_tokens must be in [0, {len(prompt)}) (tokens of the prompt that"
+                             f" were generated before), got {request.resumed_tokens}")
         params = sampling_from_proto(request.sampling)
         if request.local_prefill:
             hashes = self._prefix_hashes(prompt)

@@ -13,15 +13,12 @@ check before any data moves; every block is considered once, so nothing is sent 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Callable, Coroutine, Sequence
 
-from pdserve.kvwire import encode_block
 from pdserve.runtime.block_hash import block_hash
 from pdserve.runtime.kv_transfer import export_cached_blocks
-from pdserve.worker_common import Worker, record_transfer
+from pdserve.worker_common import Worker, put_blocks
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +55,15 @@ class BlockWriteBack:
         return self.chain[start:]
 
     async def _put(self, hashes: list[bytes]) -> None:
-        worker, spec = self.worker, self.worker.spec
+        worker = self.worker
         try:
             present = await worker.kv.presence(hashes)
             wanted = [h for h, p in zip(hashes, present) if not p]
             if not wanted:
                 return
             blocks = await worker.aengine.call(lambda e: export_cached_blocks(e, wanted))
-            encoded = await asyncio.to_thread(
-                lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
-            start = time.perf_counter()
-            await worker.kv.put_blocks("", encoded)
+            await put_blocks(worker, "", blocks)
             worker.kv_outage.ok()
-            nbytes = sum(len(d) for _, d in encoded)
-            worker.counters.kv_bytes_sent += nbytes
-            self.written += len(encoded)
-            record_transfer(worker, "put", nbytes, time.perf_counter() - start)
+            self.written += len(blocks)
         except Exception as exc:  # noqa: BLE001 - write-back only helps later requests
             worker.kv_outage.failed(f"write-back of {self.request_id}", exc)

@@ -7,18 +7,20 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from kvstore.client import KVStoreClient
+from kvstore.client import KVStoreClient, PutResult
 from pdserve.engine_args import build_engine
 from pdserve.grpc_server import DEFAULT_ERROR_CODES, check_security_settings, serve_until_signal, start_server
-from pdserve.kvwire import BlockSpec
+from pdserve.kvwire import BlockSpec, encode_block
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine import Engine, QueueFullError
+from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,19 @@ def record_transfer(worker: Worker, direction: str, nbytes: int, seconds: float)
 
     KV_TRANSFER_BYTES.labels(direction=direction).inc(nbytes)
     KV_TRANSFER_SECONDS.labels(direction=direction).observe(seconds)
+
+
+async def put_blocks(worker: Worker, lease: str, blocks: Sequence[ExportedBlock]) -> PutResult:
+    """Wire-encode exported blocks (off the loop) and put them into the kvstore under `lease` ("":
+    unpinned), counting the bytes sent. Raises grpc.aio.AioRpcError when the store fails."""
+    spec = worker.spec
+    encoded = await asyncio.to_thread(lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
+    start = time.perf_counter()
+    result = await worker.kv.put_blocks(lease, encoded)
+    nbytes = sum(len(d) for _, d in encoded)
+    worker.counters.kv_bytes_sent += nbytes
+    record_transfer(worker, "put", nbytes, time.perf_counter() - start)
+    return result
 
 
 def block_spec(engine: Engine) -> BlockSpec:

@@ -28,13 +28,13 @@ import grpc
 import torch
 
 from pdserve.grpc_server import abort_on
-from pdserve.kvwire import KVBlockError, decode_block, encode_block
+from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import WORKER_ERROR_CODES, Worker, record_transfer
+from pdserve.worker_common import WORKER_ERROR_CODES, Worker, put_blocks, record_transfer
 from prefill.single_flight import SingleFlight
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
@@ -101,22 +101,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def _store(self, rid: str, blocks: list[ExportedBlock]) -> None:
         """Put the blocks under the lease `rid`; a failed put costs the decode worker a recompute
         of what is missing, never the request."""
-        spec = self.worker.spec
-        encoded = await asyncio.to_thread(
-            lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
-        start = time.perf_counter()
         try:
-            result = await self.worker.kv.put_blocks(rid, encoded)
+            result = await put_blocks(self.worker, rid, blocks)
         except grpc.aio.AioRpcError as err:
-            self.worker.kv_outage.failed(f"put of {len(encoded)} blocks for {rid}", err)
+            self.worker.kv_outage.failed(f"put of {len(blocks)} blocks for {rid}", err)
             return
         self.worker.kv_outage.ok()
         if result.rejected:
             log.warning("kvstore rejected %d of %d KV blocks of %s (full?): the decode worker will compute them",
-                        result.rejected, len(encoded), rid)
-        nbytes = sum(len(d) for _, d in encoded)
-        self.worker.counters.kv_bytes_sent += nbytes
-        record_transfer(self.worker, "put", nbytes, time.perf_counter() - start)
+                        result.rejected, len(blocks), rid)
 
     async def _release(self, rid: str, drop: bool) -> None:
         try:

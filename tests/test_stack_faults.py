@@ -32,7 +32,7 @@ READ_BEFORE_KILL = 96  # tokens each stream has delivered when its worker is kil
 
 @pytest.fixture(scope="module")
 def stack():
-    s = start_stack(prefill=2, decode=2)
+    s = start_stack(2, 2, "--disagg-policy", "always-remote")  # every prompt meets a prefill worker
     yield s
     s.stop()
 
