@@ -13,10 +13,12 @@ prompt tokens, a new request of n tokens sees
 
     r = (R + 1) / W   requests ahead of and including it, per worker
     x = (P + n) / W   prompt tokens ahead of and including it, per worker
-    predicted TTFT = c + a * r + b * x + margin
+    d = D             admitted requests past their first token (decoding), which share the
+                      machine's memory bandwidth or, on CPUs, its cores with prefill
+    predicted TTFT = c + a * r + b * x + e * d + margin
 
-where (c, a, b) >= 0 are fitted by least squares to the last `window` admitted requests' own (r, x)
-at admission and the TTFT they then saw (admission to first token, measured here: the flow calls
+where (c, a, b, e) >= 0 are fitted by least squares to the last `window` admitted requests' own
+(r, x, d) at admission and the TTFT they then saw (admission to first token, measured here: the flow calls
 `Admitted.first_token()`). The same features at prediction and at fitting keep the model honest
 about batching: when the workers batch well, TTFT grows slowly with r and the fit says so. Every
 step time, gRPC hop and kvstore lookup is inside the measured TTFT. The fit predicts the mean; the
@@ -55,6 +57,7 @@ from gateway.limits import Admitted, InflightLimit
 from pdserve.grpc_server import ServiceError
 
 SLO_ENV = "PDSERVE_ADMISSION_TTFT_SLO_MS"
+Features = tuple[float, float, float]  # (r, x, d): see the module docstring
 REJECTED = Counter("pdserve_admission_rejected_total", "Requests refused by SLO-aware admission", ["reason"])
 PREDICTED_TTFT = Gauge("pdserve_admission_predicted_ttft_seconds", "TTFT predicted for the last arrival")
 
@@ -92,19 +95,19 @@ def slo_ms_from_env() -> float:
 
 @dataclass(slots=True)
 class TtftModel:
-    """predicted TTFT = c + a*r + b*x + margin: non-negative least squares over a window of
-    observations, plus the `quantile` of its residuals."""
+    """predicted TTFT = c + a*r + b*x + e*d + margin: non-negative least squares over a window of
+    observations of (r, x, d) -> TTFT, plus the `quantile` of its residuals."""
 
     window: int = 256
     max_age_s: float = 60.0
     quantile: float = 0.9
-    _samples: deque[tuple[float, float, float, float]] = field(default_factory=deque)  # (time, r, x, ttft)
-    coef: tuple[float, float, float] | None = None  # (c, a, b); None until fitted
+    _samples: deque[tuple[float, Features, float]] = field(default_factory=deque)  # (time, (r, x, d), ttft)
+    coef: tuple[float, ...] | None = None  # (c, a, b, e); None until fitted
     margin: float = 0.0  # seconds added to the fitted mean
     dirty: bool = False
 
-    def observe(self, now: float, r: float, x: float, ttft_s: float) -> None:
-        self._samples.append((now, r, x, ttft_s))
+    def observe(self, now: float, features: Features, ttft_s: float) -> None:
+        self._samples.append((now, features, ttft_s))
         while len(self._samples) > self.window:
             self._samples.popleft()
         self.dirty = True
@@ -119,21 +122,20 @@ class TtftModel:
         if not self._samples:
             self.coef = None
             return
-        data = np.array([(1.0, r, x, y) for _, r, x, y in self._samples])
-        self.coef = nonnegative_fit(data[:, :3], data[:, 3])
-        residuals = data[:, 3] - data[:, :3] @ np.asarray(self.coef)
+        data = np.array([(1.0, *f, y) for _, f, y in self._samples])  # [N, 1 + features + 1]
+        self.coef = nonnegative_fit(data[:, :-1], data[:, -1])
+        residuals = data[:, -1] - data[:, :-1] @ np.asarray(self.coef)
         self.margin = max(0.0, float(np.quantile(residuals, self.quantile)))
 
-    def predict(self, r: float, x: float) -> float | None:
+    def predict(self, features: Features) -> float | None:
         if self.coef is None:
             return None
-        c, a, b = self.coef
-        return c + a * r + b * x + self.margin
+        return float(np.dot(self.coef, (1.0, *features))) + self.margin
 
 
 def nonnegative_fit(features: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
     """Least-squares coefficients >= 0: the best fit over the subsets of columns whose unconstrained
-    fit has no negative coefficient (exact for three columns). Collinear columns share the weight
+    fit has no negative coefficient (exact for a handful of columns: it tries every subset). Collinear columns share the weight
     (lstsq's minimum-norm solution), which is what a prediction along the same line needs."""
     n = features.shape[1]
     best: tuple[float, np.ndarray] | None = None
@@ -154,8 +156,8 @@ def nonnegative_fit(features: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
 class _Ticket(Admitted):
     """One admitted request: counted as pending prefill work until its first token."""
 
-    def __init__(self, owner: "SloAdmission", r: float, x: float, tokens: int, start: float) -> None:
-        self.owner, self.r, self.x, self.tokens, self.start = owner, r, x, tokens, start
+    def __init__(self, owner: "SloAdmission", features: Features, tokens: int, start: float) -> None:
+        self.owner, self.features, self.tokens, self.start = owner, features, tokens, start
         self.pending = True
 
     def first_token(self) -> None:
@@ -180,7 +182,8 @@ class SloAdmission:
         self._workers = workers
         self._clock = clock
         self.model = TtftModel(config.window, config.max_age_s, config.quantile)
-        self.pending_requests = 0
+        self.admitted = 0  # requests admitted and not finished
+        self.pending_requests = 0  # ...of which not yet at their first token
         self.pending_tokens = 0
         self._last_fit = -math.inf
 
@@ -188,23 +191,26 @@ class SloAdmission:
     def admit(self, prompt_tokens: int = 0) -> Iterator[Admitted]:
         """Hold a slot of `cap` for the block if the predicted TTFT is within the SLO; ServiceError
         RESOURCE_EXHAUSTED with `retry_after_s` otherwise."""
-        r, x = self.features(prompt_tokens)
-        self.check(r, x)
+        features = self.features(prompt_tokens)
+        self.check(features)
         with self.cap.hold():
-            ticket = _Ticket(self, r, x, prompt_tokens, self._clock())
+            ticket = _Ticket(self, features, prompt_tokens, self._clock())
+            self.admitted += 1
             self.pending_requests += 1
             self.pending_tokens += prompt_tokens
             try:
                 yield ticket
             finally:
                 ticket.leave()
+                self.admitted -= 1
 
-    def features(self, prompt_tokens: int) -> tuple[float, float]:
-        """(r, x) of a new request of `prompt_tokens` tokens: see the module docstring."""
+    def features(self, prompt_tokens: int) -> Features:
+        """(r, x, d) of a new request of `prompt_tokens` tokens: see the module docstring."""
         workers = max(1, self._workers())
-        return (self.pending_requests + 1) / workers, (self.pending_tokens + prompt_tokens) / workers
+        return ((self.pending_requests + 1) / workers, (self.pending_tokens + prompt_tokens) / workers,
+                float(self.admitted - self.pending_requests))
 
-    def predict(self, r: float, x: float) -> float | None:
+    def predict(self, features: Features) -> float | None:
         """Predicted TTFT in seconds; None while learning."""
         now = self._clock()
         if self.model.dirty and now - self._last_fit >= self.config.refit_interval_s:
@@ -212,12 +218,13 @@ class SloAdmission:
             self._last_fit = now
         if len(self.model) < self.config.min_samples:
             return None
-        return self.model.predict(r, x)
+        return self.model.predict(features)
 
-    def check(self, r: float, x: float) -> None:
-        """Raise RESOURCE_EXHAUSTED when a request with features (r, x) should be refused."""
+    def check(self, features: Features) -> None:
+        """Raise RESOURCE_EXHAUSTED when a request with these features should be refused."""
         c = self.config
-        predicted = self.predict(r, x)
+        predicted = self.predict(features)
+        r = features[0]
         if predicted is None:
             if r > c.learning_queue:
                 REJECTED.labels(reason="learning").inc()
@@ -241,7 +248,7 @@ class SloAdmission:
         self.pending_tokens -= ticket.tokens
         if observed:
             now = self._clock()
-            self.model.observe(now, ticket.r, ticket.x, now - ticket.start)
+            self.model.observe(now, ticket.features, now - ticket.start)
 
 
 def admission_for(cap: InflightLimit, prefill_routable: Callable[[], int],

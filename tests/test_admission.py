@@ -5,7 +5,6 @@ while the requests it admitted complete with the in-process engine's greedy outp
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 
@@ -74,7 +73,7 @@ def test_a_fifo_worker_is_learned_and_the_queue_is_cut_where_ttft_passes_the_slo
     adm = admission(clock)
     for _ in range(4):
         serve_fifo(adm, clock, 3, service_s=0.1)  # TTFT 0.1, 0.2, 0.3 at r = 1, 2, 3
-    assert adm.predict(*adm.features(10)) == pytest.approx(0.1, abs=1e-6)
+    assert adm.predict(adm.features(10)) == pytest.approx(0.1, abs=1e-6)
     held = [adm.admit(10) for _ in range(5)]  # r = 1..5: TTFT 0.1..0.5, all within 0.5 s
     tickets = [h.__enter__() for h in held]
     with pytest.raises(ServiceError) as err:
@@ -97,8 +96,38 @@ def test_noisy_ttfts_add_their_upper_residual_quantile_as_a_margin():
         with adm.admit(10) as ticket:
             clock.now += 0.1 + noise
             ticket.first_token()
-    predicted = adm.predict(*adm.features(10))
+    predicted = adm.predict(adm.features(10))
     assert predicted == pytest.approx(0.1 + 0.09, abs=0.01)  # mean 0.15 + (0.9 quantile - mean) 0.04
+
+
+def test_requests_still_decoding_count_against_a_new_one():
+    clock = Clock()
+    adm = admission(clock)
+    decoding = []  # context managers of requests past their first token, still streaming
+
+    def admit_one(keep_decoding: bool) -> None:
+        cm = adm.admit(10)
+        ticket = cm.__enter__()
+        clock.now += 0.1 + 0.03 * len(decoding)  # TTFT: 0.1 s + 30 ms per request decoding beside it
+        ticket.first_token()
+        if keep_decoding:
+            decoding.append(cm)
+        else:
+            cm.__exit__(None, None, None)
+
+    for k in [0, 3, 6, 9, 12, 1, 5, 10] * 3:
+        while len(decoding) > k:
+            decoding.pop().__exit__(None, None, None)
+        while len(decoding) < k:
+            admit_one(keep_decoding=True)
+        admit_one(keep_decoding=False)
+    while decoding:
+        decoding.pop().__exit__(None, None, None)
+    assert adm.predict(adm.features(10)) == pytest.approx(0.1, abs=1e-6)
+    while len(decoding) < 14:
+        admit_one(keep_decoding=True)  # the last admitted beside 13 decoding: 0.49 s
+    with pytest.raises(ServiceError, match="exceeds the SLO"):
+        admit_one(keep_decoding=True)  # beside 14: 0.52 s predicted
 
 
 def test_more_workers_take_proportionally_more_requests():
@@ -199,14 +228,7 @@ def overloaded_stack():
     from pdserve.commands.up import free_port
     from pdserve.stack import start_stack
 
-    env = {"PDSERVE_ADMISSION_TTFT_SLO_MS": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        stack = start_stack(1, 1, "--http-port", str(free_port()))
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    stack = start_stack(1, 1, "--http-port", str(free_port()), env={"PDSERVE_ADMISSION_TTFT_SLO_MS": "1"})
     yield stack
     stack.stop()
 
