@@ -117,7 +117,9 @@ def test_spans_are_parented_as_the_request_travelled(spans: list[dict]) -> None:
     prefill_client = _one(trace, "pdserve.v1.PrefillWorker/Prefill", "gateway", kind="CLIENT")
     prefill_server = _one(trace, "pdserve.v1.PrefillWorker/Prefill", "prefill", kind="SERVER")
     put_client = _one(trace, "pdserve.v1.KVStore/PutBlocks", "prefill", kind="CLIENT")
-    put_server = _one(trace, "pdserve.v1.KVStore/PutBlocks", "kvstore", kind="SERVER")
+    # The kvstore also serves the decode worker's write-back of filled blocks: pick by parent.
+    put_servers = [r for r in trace if r["name"] == "pdserve.v1.KVStore/PutBlocks" and r["service"] == "pdserve-kvstore"]
+    put_server = next((r for r in put_servers if r["parent_span_id"] == put_client["span_id"]), put_servers[0])
     assert parent(prefill_client) is request
     assert parent(prefill_server) is prefill_client
     assert parent(put_client) is prefill_server
@@ -132,6 +134,9 @@ def test_spans_are_parented_as_the_request_travelled(spans: list[dict]) -> None:
     assert parent(decode_server) is decode_client
     assert parent(get_client) is decode_server
     assert parent(get_server) is get_client
+    # decode server -> PutBlocks client (write-back of filled blocks) -> kvstore PutBlocks server
+    for write_back in (r for r in put_servers if r is not put_server):
+        assert parent(parent(write_back)) is decode_server
 
     # admission into each engine is a child of the RPC that asked for it
     assert parent(_one(trace, "engine.admit", "decode")) is decode_server
