@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -88,7 +90,7 @@ def references(max_tokens: int) -> list[list[int]]:
 def soak(args: argparse.Namespace, faults: list) -> dict:
     """Start everything, run the load under the faults, check; the report (JSON-ready)."""
     from pdserve.soak.faults import FaultRunner, random_schedule
-    from pdserve.soak.invariants import rss_by_child, wait_quiet
+    from pdserve.soak.invariants import kv_checks, kv_problems, rss_by_child, wait_quiet
     from pdserve.soak.ledger import check_ledger
     from pdserve.soak.redis_proc import RedisProcess
     from pdserve.soak.workload import LENGTHS, make_specs
@@ -116,6 +118,7 @@ def soak(args: argparse.Namespace, faults: list) -> dict:
         runner.stop()
         revived = revive(stack, redis)
         phases.mark("revive")
+        first = kv_problems(kv_checks(stack))  # what the quiet wait waits for (leases expire in 120 s)
         checks = wait_quiet(stack, args.quiet_timeout_s)
         rss_after = rss_by_child(stack)
         phases.mark("quiet")
@@ -125,7 +128,9 @@ def soak(args: argparse.Namespace, faults: list) -> dict:
             redis.kill()
     phases.mark("stop")
     ledger = check_ledger(sent, outcomes, refs)
-    return build_report(args, phases, ledger, runner.events, revived, checks, rss_before, rss_after, outcomes)
+    report = build_report(args, phases, ledger, runner.events, revived, checks, rss_before, rss_after, outcomes)
+    report["kv_held_after_load"] = first
+    return report
 
 
 class Phases:
@@ -148,6 +153,7 @@ def fault_targets(stack, args: argparse.Namespace, redis) -> list[str]:
 
 
 def apply_fault(stack, redis, fault) -> None:
+    print(f"pdserve soak: {fault.action} {fault.target} (scheduled at {fault.at_s:g} s)", file=sys.stderr, flush=True)
     if fault.target == "redis":
         if redis is None:
             raise ValueError("no Redis tier (run with --redis)")
@@ -203,6 +209,11 @@ def _in_fault_window(outcome, events, grace_s: float = 5.0) -> bool:
     return any(outcome.started_s <= end and outcome.ended_s >= start for start, end in windows)
 
 
+def _shorten(details: str) -> str:
+    """A failure message without its addresses and request ids, so that alike ones count together."""
+    return re.sub(r"(\d+\.){3}\d+:\d+|soak-[0-9a-f-]+", "*", details)[:160]
+
+
 def build_report(args, phases: Phases, ledger, events, revived, checks, rss_before, rss_after, outcomes) -> dict:
     from pdserve.soak.invariants import kv_problems
 
@@ -227,6 +238,7 @@ def build_report(args, phases: Phases, ledger, events, revived, checks, rss_befo
         "load_s": phases.seconds["load"], "phases_s": phases.seconds, "sent": ledger.sent, "outcomes": len(outcomes),
         "by_status": ledger.by_status, "completed_exact": ledger.completed_exact,
         "failed_outside_fault_windows": sum(not _in_fault_window(o, events) for o in failed),
+        "failure_details": dict(Counter(f"{o.status}: {_shorten(o.details)}" for o in failed).most_common(8)),
         "problems": ledger.problems() + kv_problems(checks) + [f"RSS grew: {g}" for g in grown],
         "faults": [{**asdict(e.fault), "started_s": round(e.started_s, 2), "ended_s": round(e.ended_s, 2),
                     "error": e.error} for e in events],
@@ -242,6 +254,9 @@ def print_table(r: dict) -> None:
     print("  phases (s): " + ", ".join(f"{k} {v}" for k, v in r["phases_s"].items()))
     print("  " + ", ".join(f"{k} {v}" for k, v in sorted(r["by_status"].items())) +
           f"; failed outside fault windows: {r['failed_outside_fault_windows']}")
+    if r.get("kv_held_after_load"):
+        print(f"  KV still held when the load ended (released within {r['phases_s']['quiet']} s): "
+              + "; ".join(r["kv_held_after_load"]))
     print(f"  faults: {len(r['faults'])} run, {sum(bool(f['error']) for f in r['faults'])} failed"
           + (f"; revived at the end: {', '.join(r['revived_at_end'])}" if r["revived_at_end"] else ""))
     print(f"  {'process':<10} {'KV total':>12} {'free':>12} {'cached':>8} {'RSS MiB before':>15} {'after':>8}  problem")
@@ -251,6 +266,8 @@ def print_table(r: dict) -> None:
         print(f"  {c['name']:<10} {c['total']:>12} {c['free']:>12} {c['cached']:>8} "
               f"{before if before is None else round(before):>15} {after if after is None else round(after):>8}"
               f"{' (restarted)' if m.get('restarted') else ''}  {c['problem'] or 'ok'}")
+    for detail, n in r["failure_details"].items():
+        print(f"    {n:>5} x {detail}")
     for name, ok in r["invariants"].items():
         print(f"  [{'PASS' if ok else 'FAIL'}] {name}")
     for p in r["problems"]:
