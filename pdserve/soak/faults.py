@@ -3,8 +3,9 @@
 A schedule is written `kill:decode-0@10s,restart:decode-0@15s,kill:redis@20s,...` (`--faults`) or
 drawn at random (`--fault-every-s`): every N seconds one target (a decode or prefill worker, the
 kvstore, Redis) is killed and restarted `down_s` later. `FaultRunner` plays it on its own thread
-against the stack; each event records when it ran and whether it worked, so the report can say
-which requests overlapped a fault window.
+against the stack, keeping each scheduled gap after the previous fault *ended* (a restart waits
+until the process serves, which can take longer than the gap); each event records when it ran
+and whether it worked, so the report can say which requests overlapped a fault window.
 """
 
 from __future__ import annotations
@@ -76,8 +77,12 @@ class FaultRunner:
         return self
 
     def _run(self) -> None:
+        prev_at, prev_end = 0.0, 0.0
         for fault in self.faults:
-            if self._stop.wait(max(self._t0 + fault.at_s - time.monotonic(), 0)):
+            # A restart can take many seconds: keep at least the scheduled gap after the previous
+            # fault ended, so that a process gets its time up before the next kill.
+            due = max(fault.at_s, prev_end + fault.at_s - prev_at)
+            if self._stop.wait(max(self._t0 + due - time.monotonic(), 0)):
                 return
             started = time.monotonic() - self._t0
             try:
@@ -85,10 +90,15 @@ class FaultRunner:
                 error = ""
             except Exception as err:  # noqa: BLE001 - reported as a failed fault, the soak goes on
                 error = f"{type(err).__name__}: {err}"
-            self.events.append(FaultEvent(fault, started, time.monotonic() - self._t0, error))
+            prev_at, prev_end = fault.at_s, time.monotonic() - self._t0
+            self.events.append(FaultEvent(fault, started, prev_end, error))
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait until every fault has been played."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def stop(self) -> None:
         """Skip the faults not yet due and wait for the one running (a restart) to end."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.wait()
