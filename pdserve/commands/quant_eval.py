@@ -10,7 +10,8 @@ the row's KV format: every position attends to the stored, possibly quantized, k
 - perplexity on text sampled from the FP32 model (the committed `stories260k_eval.jsonl`);
 - weight bytes of the decoder projections as stored (checkpoint tensors) and as resident in the
   model, and KV bytes per token from the cache tensor;
-- output tokens/s on this CPU for bench-engine's workload, smaller.
+- output tokens/s on this CPU for bench-engine's workload, smaller: best of three rounds that
+  interleave the formats (a shared CPU's background load then hits all of them alike).
 """
 
 from __future__ import annotations
@@ -162,14 +163,21 @@ def resident_bytes(model) -> int:
     return sum(lin.nbytes for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
 
-def tokens_per_s(engine, num_requests: int) -> float:
+def tokens_per_s(engines: list, num_requests: int, rounds: int = 3) -> list[float]:
+    """Output tokens/s of each engine on bench-engine's workload: best of `rounds` rounds that run
+    every engine in turn, so that all formats see the same background load of a shared CPU."""
     from pdserve.commands.bench_engine import make_workload, run_pdserve
 
     ns = argparse.Namespace(seed=0, num_requests=num_requests, prompt_len=(4, 40), output_len=(16, 64))
-    work = make_workload(ns, engine.model_config.vocab_size)
-    run_pdserve(engine, make_workload(argparse.Namespace(**{**vars(ns), "num_requests": 4}), 64))  # warm-up
-    # Best of two: a shared CPU makes single runs noisy, and the best run is the least disturbed.
-    return max(run_pdserve(engine, work).tokens_per_s for _ in range(2))
+    work = make_workload(ns, engines[0].model_config.vocab_size)
+    warm = make_workload(argparse.Namespace(**{**vars(ns), "num_requests": 4}), 64)
+    for engine in engines:
+        run_pdserve(engine, warm)
+    best = [0.0] * len(engines)
+    for _ in range(rounds):
+        for i, engine in enumerate(engines):
+            best[i] = max(best[i], run_pdserve(engine, work).tokens_per_s)
+    return best
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ def evaluate(checkpoint, formats: list[Format], args: argparse.Namespace, log=pr
     kl_seqs = [p + s.output_ids for p, s in zip(prompts, ref_engine.generate(prompts, greedy))]
     ref_kl_logits = [sequence_logits(ref_engine.runner.model, s) for s in kl_seqs]
     ref_eval_logits = [sequence_logits(ref_engine.runner.model, s) for s in eval_seqs]
-    results, ref_ppl, made = [], None, {}
+    results, engines, ref_ppl, made = [], [], None, {}
     for fmt in formats:
         start = time.perf_counter()
         if fmt.weight_key() not in made:  # KV-only rows reuse the weights of an earlier row
@@ -220,8 +228,11 @@ def evaluate(checkpoint, formats: list[Format], args: argparse.Namespace, log=pr
         lb, params = linear_bytes(weights)
         results.append(Result(
             fmt.name, kl, top1, top1_text, ppl, 100 * (ppl / ref_ppl - 1), lb, resident_bytes(model), 8 * lb / params,
-            kv_bytes_per_token(engine.kv_cache), tokens_per_s(engine, args.num_requests), quantize_s))
+            kv_bytes_per_token(engine.kv_cache), 0.0, quantize_s))
+        engines.append(engine)
         log(f"{fmt.name}: done", file=sys.stderr)
+    for r, tps in zip(results, tokens_per_s(engines, args.num_requests)):
+        r.tokens_per_s = tps
     return results
 
 
