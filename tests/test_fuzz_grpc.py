@@ -93,5 +93,17 @@ def test_raw_bytes_as_request(stack, method, payload):
     assert_documented(code, details, payload)
 
 
+@settings(FUZZ, max_examples=20)
+@given(timeout_s=st.floats(0.001, 0.5), max_tokens=st.integers(1, 48))
+def test_client_deadlines_in_any_phase(stack, timeout_s, max_tokens):
+    # A deadline that expires during tokenizing, prefill or decode: the statuses stay documented and
+    # the final check finds no KV held for these requests.
+    request = gateway_pb2.GenerateRequest(prompt="Once upon a time, there was a", sampling=common_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0))
+    code, details = stream_outcome(stack.gateway_stub().Generate(request, timeout=timeout_s), max_chunks=1000)
+    event(code.name)
+    assert_documented(code, details, request)
+
+
 def test_stack_healthy_after_fuzzing(stack, expected):
     assert_still_healthy(stack, expected)
