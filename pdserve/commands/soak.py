@@ -60,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"pdserve soak: --faults: {err}", file=sys.stderr)
         return 2
+    known = {"kvstore", *(f"prefill-{i}" for i in range(args.prefill)), *(f"decode-{i}" for i in range(args.decode)),
+             *(["redis"] if args.redis else [])}
+    unknown = sorted({f.target for f in faults} - known)
+    if unknown:
+        print(f"pdserve soak: --faults names {', '.join(unknown)}; the targets are {', '.join(sorted(known))}",
+              file=sys.stderr)
+        return 2
     if args.requests < 1 or args.concurrency < 1 or not 0 <= args.cancel_rate <= 1:
         print("pdserve soak: --requests and --concurrency must be >= 1, --cancel-rate in [0, 1]", file=sys.stderr)
         return 2
