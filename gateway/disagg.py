@@ -11,7 +11,7 @@ under a burst of long prompts the prefill queue can cost more than computing on 
   2. the decode worker is busy: max(running, in flight) >= busy_fraction * decode_batch
                                                      -> remote (protect its batch)
   3. uncached prompt tokens <= local_max_tokens      -> local (the hop costs more than the compute)
-  4. estimated remote TTFT > estimated local TTFT    -> local (the prefill queue is too long)
+  4. estimated remote TTFT > estimated local cost    -> local (the prefill queue is too long)
   5. otherwise                                       -> remote
 
 The estimates (seconds; n = uncached prompt tokens, t = prefill seconds per token):
@@ -23,10 +23,14 @@ The estimates (seconds; n = uncached prompt tokens, t = prefill seconds per toke
 
 `penalty` charges a local prefill for the decode steps it stalls (1: the running batch loses as
 much time as the prompt takes; it grows with the batch), which is what keeps long prompts remote
-on an idle cluster. `t` starts from the configured value and follows an EWMA of observed prefills
-when the gateway reports them (`observe_prefill`); the mean remote prompt is an EWMA of the
+on an idle cluster. `t` starts from the configured value and follows an EWMA of the remote
+prefills the flow reports (`observe_prefill`); the mean remote prompt is an EWMA of the
 prompts this policy sent remote. `CountedPlacement` counts every decision in
 pdserve_prefill_placement_total{placement}.
+
+The gateway's `--disagg-policy` (default always-remote: see docs/disaggregation.md for the
+measurements behind that) is read once at start (`use_args`); each deployment's flow gets its
+own policy from `new_placement`.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from dataclasses import dataclass
 from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
 
 POLICIES = ("always-remote", "always-local", "conditional")
-DEFAULT_POLICY = "always-remote"
+DEFAULT_POLICY = "always-remote"  # conditional was not better on every number (docs/disaggregation.md)
 MIN_S_PER_TOKEN = 1e-7  # floor of the learned prefill time (a prefill is never free)
 
 
