@@ -4,6 +4,7 @@ ratios, and one tiny run of the command on real stacks (stories260K)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -76,3 +77,20 @@ def test_bad_arms_are_a_usage_error(capsys) -> None:
     args = _args("--arms", "always-remote,sometimes")
     assert args._run(args) == 2
     assert "--arms takes always-remote, always-local, conditional" in capsys.readouterr().err
+
+
+def test_tiny_run_on_real_stacks(tmp_path, capsys) -> None:
+    """Both arms complete every request; always-remote prefills all of them on the prefill worker,
+    the conditional arm prefills the short ones (under its threshold) on the decode worker."""
+    out = tmp_path / "out.json"
+    args = _args("--model", str(STORIES_GGUF), "--requests", "8", "--short", "4-8", "--long", "60-80",
+                 "--max-tokens", "4", "--rate", "4", "--rounds", "2", "--local-prefill-max-tokens", "20",
+                 "--json", str(out))
+    assert args._run(args) == 0
+    data = json.loads(out.read_text())
+    remote, cond = data["arms"]["always-remote"], data["arms"]["conditional"]
+    assert remote["completed"] == cond["completed"] == 8
+    assert (remote["prefilled_remote"], remote["prefilled_local"]) == (8, 0)
+    assert cond["prefilled_local"] >= data["short_requests"] > 0
+    assert set(data["ratios"]) == {"conditional/always-remote"}
+    assert "short ttft p99 ms" in capsys.readouterr().out
