@@ -25,6 +25,14 @@ def test_saturated_rate_counts_completions_while_every_client_was_busy():
     assert saturated_rate(records, concurrency=2) == pytest.approx(2.0)
 
 
+def test_saturated_rate_of_a_run_too_short_for_a_steady_state_is_the_whole_runs():
+    # 8 requests on 4 clients within 0.4 s, two of them ending a microsecond apart after the
+    # warm-up: not a million requests per second but 8 in 0.4 s.
+    records = [_ok(0.0, 0.1), _ok(0.0, 0.1), _ok(0.0, 0.1), _ok(0.0, 0.1),
+               _ok(0.1, 0.2), _ok(0.1, 0.200001), _ok(0.15, 0.25), _ok(0.2, 0.2)]
+    assert saturated_rate(records, concurrency=4) == pytest.approx(20.0)
+
+
 def test_summary_separates_refusals_from_other_failures_and_measures_the_slo_share():
     records = [_ok(0.0, 1.0, ttft=0.2), _ok(0.1, 1.0, ttft=0.8),
                RequestRecord("x", 0, 0.2, status="RESOURCE_EXHAUSTED"),

@@ -129,6 +129,9 @@ def closed_loop(address: str, tokenizer, args: argparse.Namespace, label: str, s
     return summarize(run, refusals, slo_ms) | {"saturated_per_s": saturated_rate(run.records, concurrency)}
 
 
+MIN_STEADY_WINDOW_S = 0.5
+
+
 def saturated_rate(records: Sequence, concurrency: int) -> float:
     """Completions per second between the end of the first `concurrency` requests (the cold first
     round) and the last send (after it, clients run out of work and the rate falls)."""
@@ -137,10 +140,15 @@ def saturated_rate(records: Sequence, concurrency: int) -> float:
         return 0.0
     last_send = max(r.start for r in records)
     ends = sorted(r.start + r.latency for r in ok)
-    steady = [e for e in ends[min(concurrency, len(ends)) - 1:] if e <= last_send]
-    if len(steady) < 2:  # too few requests to see a steady state: the whole run
-        return round(len(ok) / max(ends[-1], 1e-9), 2)
-    return round((len(steady) - 1) / (steady[-1] - steady[0]), 2)
+    warm = ends[min(concurrency, len(ends)) - 1]  # the cold first round is over
+    window = last_send - warm
+    done = sum(1 for e in ends if warm < e <= last_send)
+    # Completions over the window's length, not over the spread of the completions themselves:
+    # two requests ending a microsecond apart are not a rate of a million per second.
+    if window < MIN_STEADY_WINDOW_S or done < 2:  # too short to see a steady state: the whole run
+        first = min(r.start for r in records)
+        return round(len(ok) / max(ends[-1] - first, 1e-3), 2)
+    return round(done / window, 2)
 
 
 def open_loop(gateway: Gateway, tokenizer, rate: float, args: argparse.Namespace, label: str, seed: int,
