@@ -66,5 +66,15 @@ def plan_config(args: argparse.Namespace, config: ServeConfig | None = None) -> 
     gw = f"{args.host}:{args.grpc_port}"
     gateway = ChildSpec("gateway", gw, pdserve_command(
         "gateway", "--bind", gw, "--config", str(Path(args.config).resolve()), "--max-inflight", str(args.max_inflight),
-        "--http-port", str(args.http_port), *flags, *(("--experiment-seed", str(seed)) if seed is not None else ())))
+        "--http-port", str(args.http_port), *flags, *(("--experiment-seed", str(seed)) if seed is not None else ()),
+        *_placement_flags(args)))
     return workers, gateway
+
+
+def _placement_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """`pdserve up`'s prefill placement flags, forwarded to the gateway (every deployment's policy)."""
+    if not hasattr(args, "disagg_policy"):  # a plan built outside `pdserve up`
+        return ()
+    from gateway import disagg
+
+    return disagg.gateway_flags(args, args.max_batch_size)

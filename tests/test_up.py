@@ -98,7 +98,8 @@ def test_plan_of_a_config_starts_every_deployment_and_one_gateway(tmp_path: Path
 
     config = tmp_path / "ab.toml"
     config.write_text(AB_CONFIG.format(model=STORIES_GGUF))
-    args = build_parser().parse_args(["up", "--config", str(config), "--decode", "1", "--num-blocks", "512"])
+    args = build_parser().parse_args(["up", "--config", str(config), "--decode", "1", "--num-blocks", "512",
+                                      "--disagg-policy", "conditional"])
     workers, gateway = plan(args)
     assert [w.name for w in workers] == ["kvstore-fp32", "prefill-fp32-0", "prefill-fp32-1", "decode-fp32-0",
                                          "kvstore-f16", "prefill-f16-0", "decode-f16-0"]
@@ -111,6 +112,7 @@ def test_plan_of_a_config_starts_every_deployment_and_one_gateway(tmp_path: Path
     filled.require_targets()
     assert filled.deployments["fp32"].prefill_targets == (workers[1].address, workers[2].address)
     assert filled.deployments["f16"].kvstore_target == workers[4].address
+    assert gw.disagg_policy == "conditional"  # up's placement flags reach the config's gateway too
 
 
 def test_a_bad_config_is_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
