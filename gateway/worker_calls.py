@@ -117,11 +117,16 @@ async def decode(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int],
         request.first_token = prefilled.first_token
         request.block_hashes.extend(prefilled.block_hashes)
     call = ep.stub.Decode(request, timeout=timeout_s)
+    recorded = False
     try:
         async for chunk in call:
+            if chunk.finish_reason and not recorded:  # recorded now: the caller may close us at this chunk
+                ep.record(None)
+                recorded = True
             yield DecodedTokens(tuple(chunk.token_ids), tuple(logprob_from_proto(lp) for lp in chunk.logprobs),
                                 chunk.finish_reason, chunk.cached_tokens)
-        ep.record(None)  # the stream ended as the worker meant it to
+        if not recorded:
+            ep.record(None)  # the stream ended as the worker meant it to
     except grpc.aio.AioRpcError as err:
         raise worker_error(ep, err, "during decode") from None
     finally:

@@ -3,15 +3,20 @@ pool routes around an open breaker and refuses retries past the budget."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from gateway import worker_calls
 from gateway.breaker import BreakerConfig, CircuitBreaker, State
 from gateway.retry import RetryBudget, RetryBudgetConfig, backoff_s
 from gateway.workers import WorkerEndpoint, WorkerPool
 from pdserve.grpc_server import ServiceError
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.v1 import worker_pb2
 
 FAIL = grpc.StatusCode.UNAVAILABLE
 
@@ -202,3 +207,43 @@ def test_one_failed_probe_does_not_drop_a_healthy_worker_two_do():
         assert not ep.healthy and "UNAVAILABLE" in ep.last_error
         await pool.close()
     asyncio.run(scenario())
+
+
+class _FinishingCall:
+    """A Decode call whose second chunk carries the finish reason."""
+
+    def __init__(self) -> None:
+        self.chunks = [worker_pb2.DecodeChunk(token_ids=[5]),
+                       worker_pb2.DecodeChunk(token_ids=[6], finish_reason="length")]
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for chunk in self.chunks:
+            yield chunk
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_decode_stream_closed_at_its_finish_chunk_closes_a_half_open_breaker():
+    # Found by `pdserve soak`: the flow stops reading at the chunk with the finish reason, which
+    # closed the stream before its success was recorded, so a decode worker's breaker never closed
+    # again after a restart; when the other decode worker died, every request failed UNAVAILABLE.
+    clock = Clock()
+    ep = WorkerEndpoint("decode", "d:1", None, SimpleNamespace(Decode=lambda request, timeout: _FinishingCall()),
+                        None, healthy=True, breaker=breaker(clock, consecutive_failures=1))
+    ep.record(FAIL)
+    clock.now += 5
+    ep.breaker.acquire()
+    assert ep.breaker.state is State.HALF_OPEN
+
+    async def read_to_the_finish() -> None:
+        stream = worker_calls.decode(ep, "r", [1, 2], SamplingParams(max_tokens=2, temperature=0), None)
+        async for part in stream:
+            if part.finish_reason:
+                await stream.aclose()  # what the flow does at the last chunk
+                return
+    asyncio.run(read_to_the_finish())
+    assert ep.breaker.state is State.CLOSED
