@@ -4,6 +4,7 @@ decode worker's prefetcher counting every decision (hit, late, wasted)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import hashlib
 from types import SimpleNamespace
 
@@ -152,13 +153,21 @@ def _chain_blocks(engine, tokens: list[int]) -> tuple[list[bytes], dict[bytes, b
     return chain, data
 
 
+async def _settled(p: BlockPrefetcher, timeout_s: float = 30.0) -> None:
+    """Until every prefetch started so far has landed (a fixed sleep is too short on a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    while p._inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert not p._inflight, "prefetches still in flight"
+
+
 def test_prefetcher_counts_hits_late_and_waste(engine) -> None:
     async def scenario() -> None:
         chain, data = _chain_blocks(engine, list(range(3, 3 + 64)))
         p = BlockPrefetcher(_worker(engine, FakeKV(data)), max_staged_blocks=2)
         before = {o: _count("dispatch", o) for o in ("hit", "late", "wasted")}
         p.prefetch(chain[:3])
-        await asyncio.sleep(0.05)
+        await _settled(p)
         assert _count("dispatch", "wasted") - before["wasted"] == 1  # staging holds 2: one dropped
         got = await p.gather("r", chain[:3])
         assert set(got) == set(chain[:3])
@@ -179,7 +188,7 @@ def test_session_prefetch_lands_in_the_paged_cache(engine) -> None:
         p = BlockPrefetcher(_worker(engine, FakeKV(data)))
         hits, wasted = _count("session", "hit"), _count("session", "wasted")
         p.prefetch(chain, "session")
-        await asyncio.sleep(0.05)
+        await _settled(p)
         assert all(p.is_local(h) for h in chain)
         assert await p.gather("r", chain[:2]) == {}  # local already: nothing to fetch
         assert _count("session", "hit") - hits == 2
@@ -197,10 +206,10 @@ def test_gather_counts_where_each_needed_block_was(engine) -> None:
         chain, data = _chain_blocks(engine, list(range(200, 200 + 96)))  # 6 blocks
         p = BlockPrefetcher(_worker(engine, FakeKV({h: d for h, d in data.items() if h != chain[5]})))
         p.prefetch(chain[:2], "session")
-        await asyncio.sleep(0.05)
+        await _settled(p)
         p._promoted.pop(chain[0])  # as if it had been in the paged cache all along
         p.prefetch([chain[2]])  # dispatch: staged
-        await asyncio.sleep(0.05)
+        await _settled(p)
         p.worker.kv.delay_s = 0.05
         p.prefetch([chain[3]])  # still on its way when Decode comes
         await p.gather("r", chain)

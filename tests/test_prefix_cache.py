@@ -6,11 +6,14 @@ from __future__ import annotations
 import random
 import time
 
+import grpc
 import pytest
 
 from conftest import model_config_from_hf, random_hf_model
+from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.kv_transfer import export_cached_blocks, import_cached_blocks, resident_hashes
 from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.v1 import kvstore_pb2
 
 
 @pytest.fixture(scope="module")
@@ -153,15 +156,24 @@ def test_shared_prefix_reuses_blocks_across_requests(stack, stories):
     assert ids_b == cold.output_ids
 
 
+def _stored_prefix(stack, hashes: list[bytes]) -> int:
+    """Leading `hashes` the stack's kvstore holds."""
+    with grpc.insecure_channel(stack.child("kvstore").spec.address) as ch:
+        reply = stack.kvstore_stub(ch).Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes), timeout=5)
+    return reply.prefix_blocks
+
+
 def test_next_turn_reuses_written_back_answer(stack, stories):
     tok = stories.tokenizer
     stub = stack.gateway_stub()
     turn1 = "The little dog ran to the big tree and"
-    puts = stack.kvstore_stats().puts
     ids1, _ = _generate(stub, turn1, max_tokens=64, session_id="conv-1")
-    # The write-back runs after the last chunk; a person's think time is longer than this wait.
-    deadline = time.monotonic() + 10
-    while stack.kvstore_stats().puts < puts + 4 and time.monotonic() < deadline:
+    # Filled blocks are written back in the background; a person's think time is longer than
+    # this wait for the conversation's full blocks (the last token has no KV yet) to be stored.
+    written = prompt_block_hashes((tok.encode(turn1) + ids1)[:-1], 16, stories.fingerprint, "float32")
+    written = written[:(len(tok.encode(turn1)) + len(ids1) - 1) // 16]
+    deadline = time.monotonic() + 30
+    while _stored_prefix(stack, written) < len(written) and time.monotonic() < deadline:
         time.sleep(0.05)
     turn2 = tok.decode(tok.encode(turn1) + ids1) + " Then"
     prompt2 = tok.encode(turn2)
