@@ -27,11 +27,12 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from pdserve.redis_process import RedisProcess
 
 NAME = "bench-kv"
 HELP = "benchmark prefix caching, session prefetch and KV transfer (kvstore + Redis)"
@@ -76,33 +77,6 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-class RedisProcess:
-    def __init__(self, binary: str, *extra: str) -> None:
-        from pdserve.commands.up import free_port
-
-        self.port = free_port()
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", *extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=self.port)
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def with_env(env: dict[str, str], fn: Callable[[], object]) -> object:
@@ -202,7 +176,7 @@ def bench_shared_prefix(args: argparse.Namespace) -> dict:
 
 
 def bench_sessions(args: argparse.Namespace) -> dict:
-    redis_proc = RedisProcess(args.redis_server)
+    redis_proc = RedisProcess(binary=args.redis_server).start()
     try:
         arms = {}
         for arm, prefetch in (("prefetch_off", "0"), ("prefetch_on", "1")):
@@ -210,7 +184,7 @@ def bench_sessions(args: argparse.Namespace) -> dict:
             import redis
             redis.Redis(port=redis_proc.port).flushall()
     finally:
-        redis_proc.stop()
+        redis_proc.kill()
     return {"model": "stories260K", "sessions": args.sessions, "turns": args.turns, "think_s": args.think_s,
             "worker_blocks": args.worker_blocks, "memory_tier_mb": args.memory_mb, "kv_backend": "redis", **arms}
 
@@ -314,11 +288,11 @@ def _run_sessions(args: argparse.Namespace, redis_url: str) -> dict:
 def bench_transfer(args: argparse.Namespace) -> dict:
     import asyncio
 
-    redis_proc = RedisProcess(args.redis_server)
+    redis_proc = RedisProcess(binary=args.redis_server).start()
     try:
         return asyncio.run(_transfer(args, redis_proc))
     finally:
-        redis_proc.stop()
+        redis_proc.kill()
 
 
 async def _transfer(args: argparse.Namespace, redis_proc: RedisProcess) -> dict:

@@ -99,7 +99,7 @@ def soak(args: argparse.Namespace, faults: list) -> dict:
     from pdserve.soak.faults import FaultRunner, random_schedule
     from pdserve.soak.invariants import kv_checks, kv_problems, rss_by_child, wait_quiet
     from pdserve.soak.ledger import check_ledger
-    from pdserve.soak.redis_proc import RedisProcess
+    from pdserve.redis_process import RedisProcess
     from pdserve.soak.workload import LENGTHS, make_specs
     from pdserve.stack import start_stack
 
