@@ -1,6 +1,6 @@
 """The DecodeWorker gRPC servicer.
 
-Prepare(hint) starts moving KV that already exists (see decode.prefetch for the signals).
+Prepare(hint) starts moving KV that already exists (see pdserve.block_prefetch for the signals).
 Decode(request): gather the prompt's blocks (paged cache here, prefetched, or fetched now), hand
 them to the engine, which shares or copies them into its paged cache (or recomputes the prompt
 when a block is missing or corrupt), unpin the request's blocks in the KV store, then stream the
@@ -31,7 +31,7 @@ import os
 
 import grpc
 
-from decode.prefetch import BlockPrefetcher
+from pdserve.block_prefetch import BlockPrefetcher
 from decode.write_back import BlockWriteBack
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto

@@ -36,9 +36,9 @@ released here: the kvstore lease of a request that never reaches a decode worker
 decode worker failed, or whose client went away) is ended in the background.
 
 Requests with a session_id feed `sessions.SessionTracker`; a background task (started with the
-first such request) sends each session's blocks to its decode worker shortly before its next
-turn is predicted (PDSERVE_SESSION_PREFETCH=0 turns the prefetch off; the session's decode worker
-is still preferred), PDSERVE_HOT_PREFIX_MIN sets how many
+first such request) sends each session's blocks to its prefill and decode workers shortly before
+its next turn is predicted (PDSERVE_SESSION_PREFETCH=0 turns the prefetch off; the session's
+workers are still preferred), PDSERVE_HOT_PREFIX_MIN sets how many
 requests within a minute make a prefix hot, 0 = off).
 """
 
@@ -163,7 +163,8 @@ class RequestFlow:
                 self._send_hot(hashes, resident)
                 result = None
                 if placement == "remote":
-                    result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining)
+                    result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining,
+                                                 self._prefill_home(request.session_id))
             if result is not None:
                 out = self._assembler(prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
                 first_lp = (result.first_logprob,) if result.first_logprob else ()
@@ -171,7 +172,7 @@ class RequestFlow:
                 yield out.add((result.first_token,), first_lp, result.finish_reason)
                 if out.finished:
                     self._end_lease(rid)  # no decode worker will ever own this request's blocks
-                    self._session_end(request.session_id, "", prompt_ids, progress.generated)
+                    self._session_end(request.session_id, "", prompt_ids, progress.generated, result.worker)
                     return
             decode_ep = hinted if hinted.healthy else self.decode_pool.pick_decode(blocks_needed, resident)
             parts = self._decode(decode_ep, rid, progress, result, blocks_needed, time_remaining)
@@ -182,7 +183,8 @@ class RequestFlow:
                     progress.generated.extend(part.token_ids)
                     chunk = out.add(part.token_ids, part.logprobs, part.finish_reason)
                     if chunk.finish_reason:
-                        self._session_end(request.session_id, progress.worker, prompt_ids, progress.generated)
+                        self._session_end(request.session_id, progress.worker, prompt_ids, progress.generated,
+                                          result.worker if result is not None else "")
                     yield chunk
                     if out.finished:
                         return  # a stop string (closing `parts` cancels the call), or the last chunk
@@ -232,23 +234,28 @@ class RequestFlow:
             self._session_task = spawn(self._prefetch_sessions_forever(), name="session-prefetch")
         return self.sessions.arrival(session_id)
 
-    def _session_end(self, session_id: str, worker: str, prompt_ids: list[int], generated: list[int]) -> None:
+    def _prefill_home(self, session_id: str) -> str:
+        return self.sessions.prefill_home(session_id) if session_id and self.sessions is not None else ""
+
+    def _session_end(self, session_id: str, worker: str, prompt_ids: list[int], generated: list[int],
+                     prefill_worker: str) -> None:
         if not session_id or self.sessions is None:
             return
         m = self.model
         tokens = prompt_ids + generated[:-1]  # the last token has no KV on the worker
         self.sessions.finished(session_id, worker,
-                               prompt_block_hashes(tokens, m.block_size, m.fingerprint, m.kv_dtype))
+                               prompt_block_hashes(tokens, m.block_size, m.fingerprint, m.kv_dtype), prefill_worker)
 
     async def _prefetch_sessions_forever(self) -> None:
         while True:
             await asyncio.sleep(SESSION_TICK_S)
             try:
                 for plan in self.sessions.due():
-                    ep = self.decode_pool.by_address(plan.worker)
-                    if ep is None or not ep.healthy:
-                        continue  # its worker is gone: the next turn will be routed afresh
-                    worker_calls.send_prepare(ep, f"session-{plan.session_id}", plan.block_hashes, "session")
+                    # A worker that is gone is skipped: the next turn will be routed afresh.
+                    for pool, address in ((self.prefill_pool, plan.prefill_worker), (self.decode_pool, plan.worker)):
+                        ep = pool.by_address(address) if address else None
+                        if ep is not None and ep.healthy:
+                            worker_calls.send_prepare(ep, f"session-{plan.session_id}", plan.block_hashes, "session")
             except Exception:  # noqa: BLE001 - the predictor must survive anything
                 log.exception("session prefetch failed")
 
@@ -263,13 +270,14 @@ class RequestFlow:
             worker_calls.send_prepare(by_id[worker_id], f"hot-{chain[-1].hex()[:12]}", chain, "hot")
 
     async def _prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                       cached_blocks: int, time_remaining: TimeRemaining) -> PrefillResult | None:
-        """Step 7: Prefill, retried once on another worker when the first is UNAVAILABLE; None
-        when no prefill worker is left to try (the decode worker then prefills locally)."""
+                       cached_blocks: int, time_remaining: TimeRemaining, home: str = "") -> PrefillResult | None:
+        """Step 7: Prefill (on the session's `home` prefill worker while it is not much busier),
+        retried once on another worker when the first is UNAVAILABLE; None when no prefill worker
+        is left to try (the decode worker then prefills locally)."""
         failed: list[WorkerEndpoint] = []
         while len(failed) < 2:
             try:
-                ep = self.prefill_pool.pick(exclude=failed)
+                ep = self.prefill_pool.pick(exclude=failed, home=home)
             except ServiceError as err:
                 log.info("%s: no prefill worker to try (%s); prefilling on the decode worker", rid, err)
                 return None

@@ -21,16 +21,25 @@ class Candidate:
     inflight: int  # requests this gateway has on it right now
 
 
-def pick_least_loaded(candidates: Sequence[Candidate], cursor: int) -> int | None:
+SESSION_SLACK = 2  # a session's prefill stays home while home is at most this many requests busier
+
+
+def pick_least_loaded(candidates: Sequence[Candidate], cursor: int, home: int | None = None,
+                      home_slack: int = SESSION_SLACK) -> int | None:
     """Index of the healthy candidate with the fewest in-flight requests, None if none is healthy.
 
     Ties go round-robin: the tied candidate at or after position `cursor` (wrapping around) wins,
     and the caller moves its cursor past the winner, so equal workers take turns.
+    `home` (a session's last prefill worker, whose paged cache holds the conversation so far and
+    was sent the session's prefetch) wins while it is healthy and at most `home_slack` requests
+    busier than the least loaded: computing the history again elsewhere costs more than that wait.
     """
     healthy = [i for i, c in enumerate(candidates) if c.healthy]
     if not healthy:
         return None
     least = min(candidates[i].inflight for i in healthy)
+    if home is not None and home in healthy and candidates[home].inflight <= least + home_slack:
+        return home
     tied = [i for i in healthy if candidates[i].inflight == least]
     start = cursor % len(candidates)
     return next((i for i in tied if i >= start), tied[0])

@@ -3,9 +3,14 @@
 Session prediction (requests with a session_id): a conversation comes back with the same prefix
 (the last turn's prompt and answer, which the decode worker wrote back to the kvstore). For each
 session the tracker learns the think time, an EWMA of the gaps between a turn's end and the next
-turn's arrival, and `due()` names the sessions whose next turn is expected within the lead time:
-the gateway then sends their decode worker Prepare(signal="session"), which pulls the blocks
-(promoting them from Redis to the kvstore's memory on the way) into its paged cache. A session
+turn's arrival, and its mean deviation (as TCP estimates a round trip); a session that has not
+shown a gap yet borrows the estimate of all sessions. `due()` names the sessions whose next turn
+is expected within the lead time, max(lead_s, lead_fraction x think time, deviation_factor x
+deviation), so that irregular sessions are prefetched earlier:
+the gateway then sends Prepare(signal="session") to the session's prefill worker and to its decode
+worker, which pull the blocks (promoting them from Redis to the kvstore's memory on the way) into
+their paged caches: the next turn's prefill then computes only the new tokens, without waiting for
+its history to move (that wait is on the TTFT), and its decode finds the history resident. A session
 that stays quiet for `give_up_factor` think times is given up (no more prefetches until it
 speaks again); one idle for `forget_after_s` is forgotten.
 
@@ -37,14 +42,31 @@ class SessionPrefetch:
     session_id: str
     worker: str  # decode worker address
     block_hashes: tuple[bytes, ...]
+    prefill_worker: str = ""  # the prefill worker of its last turn ("" if prefilled on decode)
+
+
+@dataclass(slots=True)
+class _Gaps:
+    """EWMA of think times and of their absolute deviation (as TCP estimates round trips)."""
+
+    mean: float | None = None
+    dev: float = 0.0
+
+    def add(self, gap: float, alpha: float) -> None:
+        if self.mean is None:
+            self.mean, self.dev = gap, gap / 2
+        else:
+            self.dev = alpha * abs(gap - self.mean) + (1 - alpha) * self.dev
+            self.mean = alpha * gap + (1 - alpha) * self.mean
 
 
 @dataclass(slots=True)
 class _Session:
     worker: str = ""
+    prefill_worker: str = ""
     block_hashes: tuple[bytes, ...] = ()
     last_end: float | None = None
-    think_s: float | None = None  # EWMA of the gaps; None until one gap was seen
+    gaps: _Gaps = field(default_factory=_Gaps)  # this session's think times; mean None until one gap
     in_turn: bool = False
     prefetched: bool = False  # the prefetch for the upcoming turn was sent
     given_up: bool = False
@@ -52,16 +74,21 @@ class _Session:
 
 class SessionTracker:
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, alpha: float = 0.3,
-                 lead_s: float = 0.5, lead_fraction: float = 0.2, give_up_factor: float = 3.0,
-                 forget_after_s: float = 600.0, max_sessions: int = 100_000) -> None:
+                 lead_s: float = 0.5, lead_fraction: float = 0.2, deviation_factor: float = 2.0,
+                 give_up_factor: float = 3.0, forget_after_s: float = 600.0,
+                 max_sessions: int = 100_000) -> None:
         self._clock = clock
-        self.alpha = alpha  # weight of the newest gap in the EWMA
+        self.alpha = alpha  # weight of the newest gap in the EWMAs
         self.lead_s = lead_s  # prefetch at least this long before the predicted arrival
         self.lead_fraction = lead_fraction  # ... or this fraction of the think time, if longer
+        self.deviation_factor = deviation_factor  # ... or this many mean deviations, if longer
         self.give_up_factor = give_up_factor
         self.forget_after_s = forget_after_s
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently active first
+        # Every session's gaps: the prior for a session that has not shown one yet, so that its
+        # second turn is predicted too (people think about as long as other people do).
+        self._population = _Gaps()
 
     def arrival(self, session_id: str) -> str:
         """A turn of `session_id` arrives; returns the decode worker it last ran on ("" if none)."""
@@ -73,25 +100,36 @@ class SessionTracker:
         self._sessions.move_to_end(session_id)
         if s.last_end is not None and not s.in_turn:
             gap = max(now - s.last_end, 0.0)
-            if s.think_s is not None and not s.prefetched and not s.given_up and s.block_hashes:
+            if self._gaps(s) is not None and not s.prefetched and not s.given_up and s.block_hashes:
                 PREFETCH_BLOCKS.labels(signal="session", outcome="late").inc(len(s.block_hashes))
-            s.think_s = gap if s.think_s is None else self.alpha * gap + (1 - self.alpha) * s.think_s
+            s.gaps.add(gap, self.alpha)
+            self._population.add(gap, self.alpha)
         s.in_turn, s.prefetched, s.given_up = True, False, False
         return s.worker
 
-    def finished(self, session_id: str, worker: str, block_hashes: Sequence[bytes]) -> None:
-        """The turn ended on `worker`; `block_hashes`: the full blocks of its prompt and answer."""
+    def prefill_home(self, session_id: str) -> str:
+        """The prefill worker of the session's last turn ("" if none): its paged cache has the
+        session's prompt, and the session prefetch brings the answer there too."""
+        s = self._sessions.get(session_id)
+        return s.prefill_worker if s is not None else ""
+
+    def finished(self, session_id: str, worker: str, block_hashes: Sequence[bytes],
+                 prefill_worker: str = "") -> None:
+        """The turn ended on `worker` (decode) after `prefill_worker` computed its prompt;
+        `block_hashes`: the full blocks of its prompt and answer."""
         s = self._sessions.get(session_id)
         if s is None:
             return
         s.worker, s.block_hashes = worker, tuple(block_hashes)
+        s.prefill_worker = prefill_worker
         s.last_end, s.in_turn = self._clock(), False
 
     def predicted_arrival(self, session_id: str) -> float | None:
         s = self._sessions.get(session_id)
-        if s is None or s.last_end is None or s.think_s is None:
+        gaps = self._gaps(s) if s is not None else None
+        if s is None or s.last_end is None or gaps is None:
             return None
-        return s.last_end + s.think_s
+        return s.last_end + gaps.mean
 
     def due(self) -> list[SessionPrefetch]:
         """Sessions to prefetch now (each at most once per turn); gives up on quiet ones."""
@@ -102,16 +140,26 @@ class SessionTracker:
             if s.last_end is not None and now - s.last_end > self.forget_after_s and not s.in_turn:
                 del self._sessions[sid]
                 continue
-            if s.in_turn or s.prefetched or s.given_up or s.think_s is None or not s.block_hashes:
+            gaps = self._gaps(s)
+            if s.in_turn or s.prefetched or s.given_up or gaps is None or not s.block_hashes:
                 continue
-            arrival = s.last_end + s.think_s
-            if now > s.last_end + self.give_up_factor * max(s.think_s, self.lead_s):
+            if now > s.last_end + self.give_up_factor * max(gaps.mean, self.lead_s):
                 s.given_up = True  # quiet: prefetching now would most likely be wasted
                 continue
-            if now >= arrival - max(self.lead_s, self.lead_fraction * s.think_s):
+            if now >= s.last_end + gaps.mean - self._lead(gaps):
                 s.prefetched = True
-                plans.append(SessionPrefetch(sid, s.worker, s.block_hashes))
+                plans.append(SessionPrefetch(sid, s.worker, s.block_hashes, s.prefill_worker))
         return plans
+
+    def _lead(self, gaps: _Gaps) -> float:
+        """How long before the predicted arrival to prefetch: irregular sessions earlier."""
+        return max(self.lead_s, self.lead_fraction * gaps.mean, self.deviation_factor * gaps.dev)
+
+    def _gaps(self, s: _Session) -> _Gaps | None:
+        """The session's own think-time estimate, else the population's, None before any gap."""
+        if s.gaps.mean is not None:
+            return s.gaps
+        return self._population if self._population.mean is not None else None
 
     def _trim(self) -> None:
         while len(self._sessions) > self.max_sessions:

@@ -42,6 +42,7 @@ class PrefillResult:
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str  # non-empty: the first token already ends the request
+    worker: str = ""  # the prefill worker's address
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ async def prefill(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int]
     ep.record(None)
     lp = logprob_from_proto(reply.first_logprob) if reply.HasField("first_logprob") else None
     return PrefillResult(reply.first_token, lp, tuple(reply.block_hashes), reply.prompt_tokens,
-                         reply.cached_tokens, reply.finish_reason)
+                         reply.cached_tokens, reply.finish_reason, ep.address)
 
 
 def send_prepare(ep: WorkerEndpoint, request_id: str, block_hashes: Sequence[bytes],

@@ -129,13 +129,15 @@ class WorkerPool:
         self.endpoints.clear()
         self._retiring.clear()
 
-    def pick(self, exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:
-        """The least-loaded routable endpoint not in `exclude`; ServiceError UNAVAILABLE if none, or
-        if `exclude` is not empty (a retry) and the retry budget is spent."""
+    def pick(self, exclude: Collection[WorkerEndpoint] = (), home: str = "") -> WorkerEndpoint:
+        """The least-loaded routable endpoint not in `exclude` (`home`, a session's last worker,
+        preferred while not much busier: router.pick_least_loaded); ServiceError UNAVAILABLE if
+        none, or if `exclude` is not empty (a retry) and the retry budget is spent."""
         self._count_attempt(exclude)
         candidates = [Candidate(ep.address, ep.routable and ep not in exclude, ep.inflight)
                       for ep in self.endpoints]
-        return self._chosen(pick_least_loaded(candidates, self._cursor))
+        home_index = next((i for i, ep in enumerate(self.endpoints) if home and ep.address == home), None)
+        return self._chosen(pick_least_loaded(candidates, self._cursor, home_index))
 
     def pick_decode(self, blocks_needed: int, resident: Mapping[str, int], session_address: str = "",
                     exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:

@@ -3,7 +3,8 @@
 One Prefill call: the leading blocks the kvstore already holds (`cached_blocks`, from the
 gateway's Lookup) are fetched under the request's lease and imported into the new sequence, so
 only the rest of the prompt is computed (blocks this worker's own paged cache holds are shared
-without fetching). The prompt then joins the engine's next step together with other concurrent
+without fetching, among them those a session Prepare brought here before the turn arrived:
+pdserve.block_prefetch, counted in pdserve_prefill_blocks_total{source}). The prompt then joins the engine's next step together with other concurrent
 prompts (token budget per step, long prompts in chunks); when its last chunk is computed the
 first token is sampled; the prompt's blocks that the kvstore does not hold yet are exported,
 wire-encoded and streamed to the kvstore under a lease named by the request id; the reply
@@ -20,21 +21,19 @@ request runs here joins that run instead of starting a second one.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 import grpc
 import torch
 
+from pdserve.block_prefetch import PREFILL_BLOCKS, BlockPrefetcher
 from pdserve.grpc_server import abort_on
-from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import WORKER_ERROR_CODES, Worker, put_blocks, record_transfer
+from pdserve.worker_common import WORKER_ERROR_CODES, Worker, put_blocks
 from prefill.single_flight import SingleFlight
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
@@ -45,6 +44,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.flights: SingleFlight[worker_pb2.PrefillResponse] = SingleFlight()
+        # Dispatch staging is a decode worker's business: a Prefill fetches its prefix at once.
+        self.prefetcher = BlockPrefetcher(worker, blocks_counter=PREFILL_BLOCKS, signals=("session", "hot"))
+
+    async def Prepare(self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
+                      ) -> worker_pb2.PrepareResponse:
+        self.prefetcher.sweep_evicted()
+        try:
+            local, fetching = self.prefetcher.prefetch(list(request.block_hashes), request.signal or "session")
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        return worker_pb2.PrepareResponse(blocks_local=local, blocks_fetching=fetching)
 
     @abort_on(WORKER_ERROR_CODES)
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -56,47 +66,47 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         rid, prompt = request.request_id, list(request.token_ids)
         params = sampling_from_proto(request.sampling)
-        prefix = await self._fetch_prefix(rid, prompt, request.cached_blocks)
+        stored = self._stored_prefix(prompt, request.cached_blocks)
+        prefix = await self._fetch_prefix(rid, stored)
         last: StepOutput | None = None
         add = lambda e: e.add_with_prefix(rid, prompt, params, prefix, hold_blocks=True)  # noqa: E731
         try:
             async for outs in self.worker.aengine.generate(rid, add):
                 last = outs[-1]
-            blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid))
+            blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid, set(stored)))
         except BaseException:
             await self._release(rid, drop=True)
             raise
-        # The fetched prefix is in the kvstore already, pinned under this lease by the fetch.
-        await self._store(rid, [b for b in blocks if b.hash not in prefix])
+        # The store holds the hinted prefix already (what was fetched is pinned under this lease);
+        # copying and putting it again would cost the whole history's KV on every turn of a chat.
+        await self._store(rid, blocks)
         if last.finish_reason:  # no decode will come for this request: unpin its blocks now
             await self._release(rid, drop=False)
         lp = last.logprobs[0] if last.logprobs else None
         return worker_pb2.PrefillResponse(
             request_id=rid, first_token=last.new_token_ids[0],
             first_logprob=logprob_to_proto(lp) if lp else None,
-            block_hashes=[b.hash for b in blocks], prompt_tokens=len(prompt),
+            block_hashes=[*stored, *(b.hash for b in blocks)], prompt_tokens=len(prompt),
             cached_tokens=last.cached_tokens, finish_reason=last.finish_reason)
 
-    async def _fetch_prefix(self, rid: str, prompt: list[int], cached_blocks: int) -> dict[bytes, torch.Tensor]:
-        """The decoded leading blocks worth importing: hinted by the gateway, not local already."""
+    def _stored_prefix(self, prompt: list[int], cached_blocks: int) -> list[bytes]:
+        """Hashes of the leading blocks the gateway found in the kvstore that may be reused (the
+        block holding the last prompt token is always computed: its logits pick the first token)."""
         spec, bm = self.worker.spec, self.worker.engine.block_manager
         usable = min(max(cached_blocks, 0), (len(prompt) - 1) // spec.block_size)
         if usable <= 0:
+            return []
+        return prompt_block_hashes(prompt, spec.block_size, spec.fingerprint, bm.kv_dtype)[:usable]
+
+    async def _fetch_prefix(self, rid: str, hashes: list[bytes]) -> dict[bytes, torch.Tensor]:
+        """The decoded leading blocks of `hashes` that are not local already (a prefetch in
+        flight for them is awaited instead of fetching twice)."""
+        if not hashes:
             return {}
-        hashes = prompt_block_hashes(prompt, spec.block_size, spec.fingerprint, bm.kv_dtype)[:usable]
+        self.prefetcher.sweep_evicted()
         # A racy read of the engine's cache, but only to save transfers: the engine re-checks.
-        wanted = [h for h in hashes if bm.lookup(h) is None]
-        if not wanted:
-            return {}
-        try:
-            start = time.perf_counter()
-            datas = await self.worker.kv.get_blocks(wanted, request_id=rid)
-            record_transfer(self.worker, "get", sum(len(d) for d in datas if d), time.perf_counter() - start)
-        except grpc.aio.AioRpcError as err:
-            log.warning("prefix fetch of %d blocks for %s failed (%s): computing them", len(wanted), rid,
-                        err.code().name)
-            return {}
-        return await asyncio.to_thread(_decode_leading, wanted, datas, spec)
+        blocks = await self.prefetcher.gather(rid, hashes)
+        return _leading(hashes, blocks, self.worker.engine.block_manager)
 
     async def _store(self, rid: str, blocks: list[ExportedBlock]) -> None:
         """Put the blocks under the lease `rid`; a failed put costs the decode worker a recompute
@@ -122,23 +132,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.worker.stats()
 
 
-def _decode_leading(hashes: list[bytes], datas: list[bytes | None], spec) -> dict[bytes, torch.Tensor]:
-    """Decoded blocks up to the first missing or bad one (a prefix needs every block before it)."""
+def _leading(hashes: list[bytes], blocks: dict[bytes, torch.Tensor], bm) -> dict[bytes, torch.Tensor]:
+    """The fetched blocks up to the first one neither fetched nor local (a prefix needs every
+    block before it; the engine computes from there)."""
     out: dict[bytes, torch.Tensor] = {}
-    for h, data in zip(hashes, datas):
-        if data is None:
-            break
-        try:
-            out[h], _ = decode_block(data, spec)
-        except KVBlockError as exc:
-            log.warning("prefix block %s rejected (%s): computing from there", h.hex()[:12], exc)
+    for h in hashes:
+        if h in blocks:
+            out[h] = blocks[h]
+        elif bm.lookup(h) is None:
             break
     return out
 
 
-def _export_and_release(engine: Engine, request_id: str) -> list[ExportedBlock]:
+def _export_and_release(engine: Engine, request_id: str, skip: set[bytes]) -> list[ExportedBlock]:
     try:
-        return engine.export_held(request_id)
+        return engine.export_held(request_id, skip)
     finally:
         engine.release_held(request_id)
 

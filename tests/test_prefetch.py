@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import model_config_from_hf, random_hf_model
-from decode.prefetch import BlockPrefetcher
+from pdserve.block_prefetch import BlockPrefetcher
 from gateway.sessions import HotPrefixes, SessionTracker
 from pdserve.kvwire import encode_block
 from pdserve.runtime.block_hash import prompt_block_hashes
@@ -41,7 +41,7 @@ def _count(signal: str, outcome: str) -> float:
 
 def test_session_think_time_ewma_and_prefetch_timing() -> None:
     clock = Clock()
-    t = SessionTracker(clock, alpha=0.5, lead_s=1.0, lead_fraction=0.1)
+    t = SessionTracker(clock, alpha=0.5, lead_s=1.0, lead_fraction=0.1, deviation_factor=0)
     assert t.arrival("s") == ""
     clock.now += 2
     t.finished("s", "w1:1", _hs("a", "b"))
@@ -68,7 +68,7 @@ def test_session_think_time_ewma_and_prefetch_timing() -> None:
 
 def test_arrival_before_the_prediction_fires_counts_late() -> None:
     clock = Clock()
-    t = SessionTracker(clock, lead_s=0.5)
+    t = SessionTracker(clock, lead_s=0.5, deviation_factor=0)
     t.arrival("s")
     t.finished("s", "w", _hs("a"))
     clock.now += 5
@@ -79,6 +79,40 @@ def test_arrival_before_the_prediction_fires_counts_late() -> None:
     assert t.due() == []
     t.arrival("s")
     assert _count("session", "late") == late + 3
+
+
+def test_irregular_sessions_are_prefetched_earlier() -> None:
+    """The lead grows with the think time's mean deviation (EWMA, as TCP's RTTVAR)."""
+    clock = Clock()
+    t = SessionTracker(clock, alpha=0.5, lead_s=0.1, lead_fraction=0.0, deviation_factor=2.0)
+    t.arrival("s")
+    for gap in (10.0, 4.0):  # mean 10 -> 7; deviation 5 (first gap / 2) -> 0.5*6 + 0.5*5 = 5.5
+        t.finished("s", "w", _hs("a"))
+        clock.now += gap
+        t.arrival("s")
+    t.finished("s", "w", _hs("a", "b"))
+    assert t.predicted_arrival("s") == pytest.approx(clock.now + 7.0)
+    clock.now += 7.0 - 11.0 + 0.01  # lead 2 x 5.5 = 11 > 7: due right away
+    [plan] = t.due()
+    assert plan.block_hashes == tuple(_hs("a", "b"))
+
+
+def test_a_new_session_borrows_the_population_think_time() -> None:
+    """A session's second turn is predicted too: from the gaps other sessions showed."""
+    clock = Clock()
+    t = SessionTracker(clock, lead_s=0.5, lead_fraction=0.0, deviation_factor=0)
+    t.arrival("old")
+    t.finished("old", "w", _hs("x"))
+    clock.now += 4
+    t.arrival("old")
+    t.finished("old", "w", _hs("x", "y"))
+    t.arrival("new")
+    t.finished("new", "w2", _hs("n"))
+    assert t.predicted_arrival("new") == pytest.approx(clock.now + 4)
+    clock.now += 3.4
+    assert [p.session_id for p in t.due()] == []
+    clock.now += 0.2  # 0.5 s before the 4 s the population thinks
+    assert sorted(p.session_id for p in t.due()) == ["new", "old"]
 
 
 def test_quiet_sessions_are_given_up_and_forgotten() -> None:

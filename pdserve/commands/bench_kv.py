@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-blocks", type=int, default=32,
                    help="sessions: KV blocks in each worker's paged cache (pdserve up --num-blocks)")
     p.add_argument("--answer-tokens", type=int, default=48, help="sessions: tokens generated per turn")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="sessions: a document of about this many tokens opens each session's first prompt")
+    p.add_argument("--session-model", choices=[*MODEL_SHAPES, "stories260K"], default="llama-kv128k",
+                   help="sessions: a random Llama (MODEL_SHAPES) or the tiny bundled model")
     p.add_argument("--transfer-mb", type=float, default=256, help="transfer: KV bytes moved per arm")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "/usr/bin/redis-server")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -114,17 +118,29 @@ def timed_generate(stub, prompt: str, max_tokens: int, session_id: str = "") -> 
 # ---- shared prefix ------------------------------------------------------------------------------
 
 
-def build_random_llama(folder: Path, seed: int) -> Path:
-    """A random Llama (hidden 512, 8 layers, stories260K's 512-token vocabulary and tokenizer)."""
+# Random Llamas the benchmark builds (stories260K's 512-token vocabulary and tokenizer):
+#   llama-512x8: hidden 512, 8 layers, 8 heads of 64: prefill compute matters (32 KiB of KV per token)
+#   llama-kv128k: hidden 256, 16 layers, 8 heads of 128, 8 KV heads: Llama-3-8B's KV per token
+#     (128 KiB; fp32 here, fp16 there) with a CPU-sized compute, so moving a conversation's KV
+#     costs what it costs on a GPU server relative to computing a few new tokens
+MODEL_SHAPES = {
+    "llama-512x8": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=8),
+    "llama-kv128k": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=16, num_attention_heads=8,
+                         num_key_value_heads=8, head_dim=128),
+}
+
+
+def build_random_llama(folder: Path, seed: int, shape: str = "llama-512x8") -> Path:
+    """A random Llama of `shape` (MODEL_SHAPES) saved as an HF directory with a tokenizer."""
     import torch
     import transformers
 
     from pdserve.runtime.hf_reader import GGUF_TOKENIZER_FILE
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1376,
-                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    config = transformers.LlamaConfig(vocab_size=512, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                                      **MODEL_SHAPES[shape])
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
     stories = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K" / "stories260K.gguf"
@@ -176,16 +192,21 @@ def bench_shared_prefix(args: argparse.Namespace) -> dict:
 
 
 def bench_sessions(args: argparse.Namespace) -> dict:
+    import redis
+
     redis_proc = RedisProcess(binary=args.redis_server).start()
     try:
-        arms = {}
-        for arm, prefetch in (("prefetch_off", "0"), ("prefetch_on", "1")):
-            arms[arm] = with_env({"PDSERVE_SESSION_PREFETCH": prefetch}, lambda: _run_sessions(args, redis_proc.url))
-            import redis
-            redis.Redis(port=redis_proc.port).flushall()
+        with tempfile.TemporaryDirectory(prefix="pdserve-bench-kv-") as tmp:
+            model = None if args.session_model == "stories260K" else str(
+                build_random_llama(Path(tmp) / args.session_model, args.seed, args.session_model))
+            arms = {}
+            for arm, prefetch in (("prefetch_off", "0"), ("prefetch_on", "1")):
+                arms[arm] = with_env({"PDSERVE_SESSION_PREFETCH": prefetch},
+                                     lambda: _run_sessions(args, redis_proc.url, model))
+                redis.Redis(port=redis_proc.port).flushall()
     finally:
         redis_proc.kill()
-    return {"model": "stories260K", "sessions": args.sessions, "turns": args.turns, "think_s": args.think_s,
+    return {"model": args.session_model, "sessions": args.sessions, "turns": args.turns, "think_s": args.think_s,
             "worker_blocks": args.worker_blocks, "memory_tier_mb": args.memory_mb, "kv_backend": "redis", **arms}
 
 
@@ -196,6 +217,30 @@ def scrape_counter(port: int, name: str) -> dict[str, float]:
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {m[1]: float(m[2]) for m in re.finditer(rf'^{name}_total{{\w+="([^"]*)"}} ([0-9.e+]+)$', text, re.M)}
+
+
+STORY_WORDS = ("the cat dog sun tree ball park bird boat girl boy little big red happy sad ran saw "
+               "played jumped went home with her his friend and then one day they were very").split()
+
+
+def story_text(tok, rng: random.Random, tokens: int) -> str:
+    """Sentences of common words, about `tokens` tokens long (words tokenize the same way each time)."""
+    words: list[str] = []
+    while len(tok.encode(" ".join(words), add_bos=False)) < tokens:
+        words += [rng.choice(STORY_WORDS) for _ in range(8)] + ["."]
+    return " ".join(words)
+
+
+LOCAL_SOURCES = ("resident", "session", "hot", "dispatch")  # already on the worker when the request came
+
+
+def scrape_sources(ports: list[int], name: str) -> dict[str, float]:
+    """pdserve_{prefill,decode}_blocks_total{source} summed over the workers on `ports`."""
+    total: dict[str, float] = {}
+    for port in ports:
+        for k, v in scrape_counter(port, name).items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def _free_port_run(n: int) -> int:
@@ -209,24 +254,26 @@ def _free_port_run(n: int) -> int:
     raise RuntimeError("no run of free ports for the children's /metrics")
 
 
-def _run_sessions(args: argparse.Namespace, redis_url: str) -> dict:
+def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -> dict:
     import concurrent.futures as cf
 
     from gateway.prompts import tokenize_prompt
     from pdserve.runtime.loader import load_checkpoint, resolve_model_path
     from pdserve.stack import start_stack
 
-    tok = load_checkpoint(resolve_model_path(None)).tokenizer
+    tok = load_checkpoint(resolve_model_path(model)).tokenizer
     bs = 16
     metrics_base = _free_port_run(5)  # kvstore, prefill-0, decode-0, decode-1, gateway
-    stack = start_stack(1, 2, "--kvstore-capacity-mb", str(args.memory_mb), "--threads", str(args.threads),
+    model_args = ("--model", model) if model else ()
+    stack = start_stack(1, 2, *model_args, "--kvstore-capacity-mb", str(args.memory_mb), "--threads", str(args.threads),
                         "--num-blocks", str(args.worker_blocks), "--kv-backend", redis_url,
                         "--block-size", str(bs), "--metrics-port-base", str(metrics_base))
-    decode_ports = [metrics_base + i for i, c in enumerate(stack.workers) if c.spec.name.startswith("decode")]
+    ports = {kind: [metrics_base + i for i, c in enumerate(stack.workers) if c.spec.name.startswith(kind)]
+             for kind in ("prefill", "decode")}
     try:
         stub = stack.gateway_stub()
         timed_generate(stub, "warm up", 2)
-        before = [scrape_counter(p, "pdserve_decode_blocks") for p in decode_ports]
+        before = {kind: scrape_sources(ports[kind], f"pdserve_{kind}_blocks") for kind in ports}
         openings = ["Once upon a time", "The little dog", "Lily and Tom", "A big red boat", "The sun was hot"]
         lines = ["and then they played.", "Tom said hello.", "The cat ran away.", "They were happy."]
 
@@ -234,6 +281,8 @@ def _run_sessions(args: argparse.Namespace, redis_url: str) -> dict:
             r = random.Random(args.seed * 1000 + i)
             time.sleep(r.uniform(0, args.think_s))  # sessions start spread out
             text = f"{openings[i % len(openings)]} number {i} went to the park."
+            if args.context_tokens:  # a document of the session's own, as a chat about a file would have
+                text = story_text(tok, r, args.context_tokens) + " " + text
             prev_chain: list[int] = []  # the previous turn's prompt + answer (what its decode worker held)
             turns = []
             for t in range(args.turns):
@@ -256,28 +305,32 @@ def _run_sessions(args: argparse.Namespace, redis_url: str) -> dict:
             runs = [t for conv in pool.map(conversation, range(args.sessions)) for t in conv]
         seconds = time.perf_counter() - start
         time.sleep(0.2)
-        after = [scrape_counter(p, "pdserve_decode_blocks") for p in decode_ports]
-        src: dict[str, float] = {}
-        for b, a in zip(before, after):
-            for k, v in a.items():
-                src[k] = src.get(k, 0) + v - b.get(k, 0)
-        needed = sum(src.values())
-        there = sum(src.get(k, 0) for k in ("resident", "session", "hot", "dispatch"))
+        src = {kind: {k: v - before[kind].get(k, 0) for k, v in scrape_sources(ports[kind], f"pdserve_{kind}_blocks").items()}
+               for kind in ports}
+        needed = sum(src["decode"].values())
+        there = sum(src["decode"].get(k, 0) for k in LOCAL_SOURCES)
+        prefill_reused = sum(src["prefill"].values())
         later = [r for r in runs if r["turn"] > 0]
         ttfts = [r["ttft_s"] for r in later]
         stats = stack.kvstore_stats()
         return {"seconds": round(seconds, 2), "requests": len(runs),
                 "hit_rate": round(there / max(needed, 1), 3),
                 "hit_rate_reusable": round(there / max(sum(r["reusable_blocks"] for r in later), 1), 3),
+                "prefill_hit_rate": round(sum(src["prefill"].get(k, 0) for k in LOCAL_SOURCES)
+                                          / max(prefill_reused, 1), 3),
                 "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
                 "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
                 "decode_blocks": int(needed),
-                **{f"blocks_{k}": int(src.get(k, 0)) for k in ("resident", "session", "dispatch", "late",
-                                                                "fetched", "missing")},
+                **{f"blocks_{k}": int(src["decode"].get(k, 0)) for k in ("resident", "session", "dispatch", "late",
+                                                                          "fetched", "missing")},
+                "prefill_blocks": int(prefill_reused),
+                **{f"prefill_blocks_{k}": int(src["prefill"].get(k, 0)) for k in ("resident", "session", "late",
+                                                                                  "fetched", "missing")},
                 "reusable_blocks": sum(r["reusable_blocks"] for r in later),
                 "prefill_cached_frac": round(sum(r["cached_tokens"] for r in later)
                                              / max(sum(r["prompt_tokens"] for r in later), 1), 3),
-                "kvstore_evictions": stats.evictions, "redis_hits": stats.backend_hits}
+                "kvstore_evictions": stats.evictions, "redis_hits": stats.backend_hits,
+                "redis_errors": stats.backend_errors}
     finally:
         stack.stop()
 

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -147,9 +147,9 @@ class Engine:
         self.scheduler.finish(seq, "abort")
         return True
 
-    def export_held(self, request_id: str) -> list[ExportedBlock]:
-        """The prompt KV blocks of a finished request that holds its blocks."""
-        return export_prompt_blocks(self, self.held[request_id])
+    def export_held(self, request_id: str, skip: Collection[bytes] = ()) -> list[ExportedBlock]:
+        """The prompt KV blocks of a finished request that holds its blocks (but those in `skip`)."""
+        return export_prompt_blocks(self, self.held[request_id], skip)
 
     def release_held(self, request_id: str) -> bool:
         seq = self.held.pop(request_id, None)

@@ -18,7 +18,7 @@ and decode workers disagree on the format would otherwise recompute every prompt
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,11 +49,13 @@ def prompt_hashes(engine: Engine, prompt_ids: list[int]) -> list[bytes]:
     return prompt_block_hashes(prompt_ids, bm.block_size, bm.fingerprint, bm.kv_dtype, include_partial=True)
 
 
-def export_prompt_blocks(engine: Engine, seq: Sequence) -> list[ExportedBlock]:
+def export_prompt_blocks(engine: Engine, seq: Sequence, skip: Collection[bytes] = ()) -> list[ExportedBlock]:
+    """Copies of `seq`'s prompt blocks, in order, except those whose hash is in `skip` (stored
+    elsewhere already: copying a long conversation's history on every turn costs real time)."""
     n, bs = len(seq.prompt_ids), engine.block_manager.block_size
     hashes = prompt_hashes(engine, seq.prompt_ids)
     return [ExportedBlock(h, engine.kv_cache[seq.block_table[i]].clone(), min(bs, n - i * bs))
-            for i, h in enumerate(hashes)]
+            for i, h in enumerate(hashes) if h not in skip]
 
 
 def import_prompt_blocks(engine: Engine, seq: Sequence, hashes: list[bytes],

@@ -40,6 +40,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Prepare = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/Prepare',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrepareRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrepareResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Stats',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -53,6 +58,14 @@ class PrefillWorkerServicer:
 
     def Prefill(self, request, context):
         """Runs the prompt through the model and returns the first token and the prompt's block hashes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prepare(self, request, context):
+        """Starts pulling the listed blocks (a session's next turn, a hot prefix) into the paged cache
+        before Prefill is called, so that the prefix is local when the turn arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +85,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Prepare': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prepare,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrepareRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrepareResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -107,6 +125,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prepare(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/Prepare',
+            pdserve_dot_v1_dot_worker__pb2.PrepareRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PrepareResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,25 +1,29 @@
 """BlockPrefetcher: gets the KV blocks a request needs onto this worker, early when told to.
 
-Three signals bring blocks here before a Decode asks for them (PrepareRequest.signal):
-  * dispatch: the gateway routed a request here and prefill is running; the blocks that already
-    exist in the kvstore are fetched into a bounded staging area, so that by the time Decode
-    arrives only the freshly prefilled blocks still have to move.
-  * session: a conversation's next turn is predicted soon; its blocks (promoted from Redis to the
-    kvstore's memory by the very fetch) go into the paged cache as cached, shareable blocks.
-  * hot: a prefix many requests share; kept in the paged cache of every decode worker.
+Used by both worker kinds. Three signals bring blocks here before a request asks for them
+(PrepareRequest.signal):
+  * dispatch (decode workers): the gateway routed a request here and prefill is running; the
+    blocks that already exist in the kvstore are fetched into a bounded staging area, so that by
+    the time Decode arrives only the freshly prefilled blocks still have to move.
+  * session (both): a conversation's next turn is predicted soon; its blocks (promoted from
+    Redis to the kvstore's memory by the very fetch) go into the paged cache as cached,
+    shareable blocks: on the prefill worker that will compute the turn (so its TTFT does not
+    wait for the history to move) and on the decode worker that will continue it.
+  * hot (decode workers): a prefix many requests share; kept in the paged cache of every one.
 Blocks already in the paged cache are never fetched. A block that fails its header or checksum
 check is dropped: the engine then recomputes that request's prompt instead of decoding garbage.
 
 Every prefetched block is counted once in pdserve_prefetch_blocks_total{signal, outcome}:
-hit (a Decode used it), late (a Decode needed it while it was still on its way), wasted (evicted,
-dropped or aged out before any Decode used it).
+hit (a request used it), late (a request needed it while it was still on its way), wasted
+(evicted, dropped or aged out before any request used it).
 
-Where each block a Decode needs came from is counted in pdserve_decode_blocks_total{source}:
-resident (in the paged cache already, not brought by a prefetch), session / hot (put in the
-paged cache by that prefetch signal), dispatch (staged by the dispatch hint), late (a prefetch
-was still on its way), fetched (fetched on demand), missing (the kvstore lacked it, or was unreachable: recomputed).
-The hit rate "blocks already here when Decode arrived" is (resident + session + hot + dispatch)
-over all of them.
+Where each block a request needs came from is counted in pdserve_decode_blocks_total{source}
+(decode workers) or pdserve_prefill_blocks_total{source} (prefill workers: the prefix blocks a
+Prefill reuses): resident (in the paged cache already, not brought by a prefetch), session / hot
+(put in the paged cache by that prefetch signal), dispatch (staged by the dispatch hint), late
+(a prefetch was still on its way), fetched (fetched on demand), missing (the kvstore lacked it,
+or was unreachable: recomputed). The hit rate "blocks already here when the request arrived" is
+(resident + session + hot + dispatch) over all of them.
 
 Picking up prefill's blocks as they are written (before Prefill returns) is not done: prefill
 puts the prompt's blocks in one stream after its last chunk, so there is nothing to pick up
@@ -52,12 +56,18 @@ SOURCES = ("resident", *SIGNALS, "late", "fetched", "missing")
 DECODE_BLOCKS = Counter("pdserve_decode_blocks_total",
                         "KV blocks Decode requests needed, by where each one was when the Decode arrived",
                         ["source"])
+PREFILL_BLOCKS = Counter("pdserve_prefill_blocks_total",
+                         "Prefix KV blocks Prefill requests reused, by where each one was when the Prefill arrived",
+                         ["source"])
 
 
 class BlockPrefetcher:
     def __init__(self, worker: Worker, max_staged_blocks: int = 4096,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, blocks_counter: Counter = DECODE_BLOCKS,
+                 signals: Sequence[str] = SIGNALS) -> None:
         self.worker = worker
+        self.blocks_counter = blocks_counter  # where each needed block came from (DECODE_/PREFILL_BLOCKS)
+        self.signals = tuple(signals)  # the signals this worker accepts
         self.max_staged_blocks = max_staged_blocks
         self._clock = clock
         # dispatch: decoded blocks waiting for their Decode, with when they were staged
@@ -73,8 +83,9 @@ class BlockPrefetcher:
 
     def prefetch(self, hashes: Sequence[bytes], signal: str = "dispatch") -> tuple[int, int]:
         """Starts fetching what is neither local, staged nor in flight; returns (local, fetching)."""
-        if signal not in SIGNALS:
-            raise ValueError(f"unknown prefetch signal {signal!r}: use one of {', '.join(SIGNALS)}")
+        if signal not in self.signals:
+            raise ValueError(f"prefetch signal {signal!r} is not one this worker takes: use one of"
+                             f" {', '.join(self.signals)}")
         self._drop_stale()
         wanted = [h for h in hashes if not self.is_local(h) and h not in self._staged and h not in self._inflight]
         if wanted:
@@ -116,7 +127,7 @@ class BlockPrefetcher:
 
     def _count(self, source: str) -> None:
         self.sources[source] += 1
-        DECODE_BLOCKS.labels(source=source).inc()
+        self.blocks_counter.labels(source=source).inc()
 
     def evicted(self, hashes: Iterable[bytes]) -> None:
         """Blocks that left the paged cache: promoted ones nobody used were wasted."""
@@ -124,6 +135,11 @@ class BlockPrefetcher:
             signal = self._promoted.pop(h, None)
             if signal is not None:
                 PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc()
+
+    def sweep_evicted(self) -> None:
+        """For a worker that reports no residency (prefill): promoted blocks that left the paged
+        cache unused were wasted."""
+        self.evicted([h for h in self._promoted if not self.is_local(h)])
 
     def _claim_promoted(self, h: bytes) -> str | None:
         """The signal that put `h` in the paged cache, if it is still there (counted as a hit)."""
