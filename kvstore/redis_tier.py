@@ -7,8 +7,11 @@ and for `retry_interval_s` after a failure no call even tries (requests do not e
 connect timeout). After that the next call, or the background monitor, tries again, and the first
 success logs that Redis is back and puts it to use again.
 
-Keys are `pdkv:<16-byte block hash>` (binary), values the wire-encoded block. Batches use one
-MGET / one pipeline of SETs, so a prompt's blocks cost one round trip. Redis evicts on its own
+Keys are `pdkv:<16-byte block hash>` (binary), values the wire-encoded block. Batches cost one
+round trip: one pipeline of SETs, one pipeline of MGETs of at most MGET_BYTES each (a long
+conversation of a model with 128 KiB of KV per token is ~100 MB: in one MGET its reply alone would
+outlast the socket timeout on a busy host, and the outage back-off would then turn every block
+into a miss; per-MGET replies each get the timeout). Redis evicts on its own
 (run it with `maxmemory` and `maxmemory-policy allkeys-lru`: see docs/kvstore.md); a key it
 evicted is simply a miss here.
 """
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 KEY_PREFIX = b"pdkv:"
+MGET_BYTES = 8 << 20  # target reply size of one MGET (estimated from the largest block seen)
 
 
 def block_key(block_hash: bytes) -> bytes:
@@ -56,6 +60,7 @@ class RedisTier:
         self.errors = 0
         self.hits = 0
         self._evicted_keys: int | None = None  # Redis's own eviction count at the last poll
+        self._block_bytes = 0  # largest value written or read so far: sizes the MGETs
 
     @property
     def up(self) -> bool:
@@ -67,11 +72,20 @@ class RedisTier:
         """Data of each hash (None: missing, or Redis unavailable)."""
         if not hashes:
             return []
-        found = await self._call(lambda: self._redis.mget([block_key(h) for h in hashes]))
+        keys = [block_key(h) for h in hashes]
+        per_get = max(1, MGET_BYTES // self._block_bytes) if self._block_bytes else len(keys)
+
+        async def run() -> list[bytes | None]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for i in range(0, len(keys), per_get):
+                    pipe.mget(keys[i:i + per_get])
+                return [d for part in await pipe.execute() for d in part]
+        found = await self._call(run)
         if found is None:
             return [None] * len(hashes)
         self.hits += sum(d is not None for d in found)
-        return list(found)
+        self._block_bytes = max([self._block_bytes, *(len(d) for d in found if d is not None)])
+        return found
 
     async def exists_many(self, hashes: Sequence[bytes]) -> list[bool]:
         """Whether each hash is in Redis (False when Redis is unavailable)."""
@@ -96,6 +110,7 @@ class RedisTier:
                 for h, data in items:
                     pipe.set(block_key(h), data)
                 return await pipe.execute()
+        self._block_bytes = max(self._block_bytes, *(len(d) for _, d in items))
         return await self._call(run) is not None
 
     async def poll(self) -> None:

@@ -224,3 +224,25 @@ def test_unreachable_redis_at_start_still_serves() -> None:
         await _stop(server, store, client)
 
     asyncio.run(scenario())
+
+
+def test_big_reads_are_split_into_mgets_of_bounded_size(redis_server: RedisServer) -> None:
+    """A long conversation's blocks come back in MGETs of about MGET_BYTES each, in one pipeline:
+    one huge reply would outlast the socket timeout on a busy host (and read as an outage)."""
+    from kvstore.redis_tier import MGET_BYTES, RedisTier
+
+    big = b"k" * (3 << 20)  # 3 MiB: two per MGET
+    hashes = [_h(f"big{i}") for i in range(5)]
+
+    async def scenario() -> None:
+        tier = RedisTier(redis_server.url, timeout_s=5)
+        assert await tier.set_many([(h, big + bytes([i])) for i, h in enumerate(hashes)])
+        r = redis.Redis(port=redis_server.port)
+        before = r.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
+        got = await tier.get_many([*hashes, _h("absent")])
+        assert got == [big + bytes([i]) for i in range(5)] + [None]
+        calls = r.info("commandstats")["cmdstat_mget"]["calls"] - before
+        assert calls == -(-6 // (MGET_BYTES // len(got[0]))) == 3
+        await tier.close()
+
+    asyncio.run(scenario())
