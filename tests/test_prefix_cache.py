@@ -83,6 +83,36 @@ def test_import_cached_blocks_are_shared_by_the_next_request(make_engine, hf):
     assert out == cold and reader.seqs == {}
 
 
+def test_waiting_sequences_holding_imported_prefixes_do_not_deadlock(make_engine, hf):
+    """Three prompts whose imported prefixes fill a small cache while they all wait: the head of
+    the queue takes the blocks the others hold (they stay cached by hash), and every output
+    equals its cold run. Before, nothing ran and the engine spun forever."""
+    config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 160) for _ in range(70)] for _ in range(3)]  # 4 full blocks + 6
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    colds = [_run(make_engine(config, weights), f"cold{i}", p, params)[0] for i, p in enumerate(prompts)]
+    blocks = {}
+    for i, p in enumerate(prompts):
+        writer = make_engine(config, weights)
+        _run(writer, "w", p, params)
+        chain = prompt_block_hashes(p, 16, writer.fingerprint, "float32")
+        blocks.update({blk.hash: blk.data for blk in export_cached_blocks(writer, chain)})
+
+    engine = make_engine(config, weights, num_blocks=12)  # 3 x 4 imported blocks: all of it
+    seqs = []
+    for i, p in enumerate(prompts):
+        assert engine.add_with_prefix(f"r{i}", p, params, blocks) == 64
+        seqs.append(engine.seqs[f"r{i}"])
+    assert engine.block_manager.num_free_blocks == 0
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished(), "the engine made no progress"
+    assert [s.output_ids for s in seqs] == colds
+
+
 # ---- through the real stack (kvstore with a Redis tier, 1 prefill, 2 decode) -------------------
 
 from conftest import STORIES_GGUF  # noqa: E402

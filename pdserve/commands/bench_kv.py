@@ -120,12 +120,16 @@ def timed_generate(stub, prompt: str, max_tokens: int, session_id: str = "") -> 
 
 # Random Llamas the benchmark builds (stories260K's 512-token vocabulary and tokenizer):
 #   llama-512x8: hidden 512, 8 layers, 8 heads of 64: prefill compute matters (32 KiB of KV per token)
+#   llama-256x8: hidden 256, 8 layers, 8 heads of 64: the same 32 KiB of KV per token with a third
+#     of the compute (a GPU computes a short turn far faster than it can move a long history)
 #   llama-kv128k: hidden 256, 16 layers, 8 heads of 128, 8 KV heads: Llama-3-8B's KV per token
 #     (128 KiB; fp32 here, fp16 there) with a CPU-sized compute, so moving a conversation's KV
 #     costs what it costs on a GPU server relative to computing a few new tokens
 MODEL_SHAPES = {
     "llama-512x8": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
                         num_key_value_heads=8),
+    "llama-256x8": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=8, head_dim=64),
     "llama-kv128k": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=16, num_attention_heads=8,
                          num_key_value_heads=8, head_dim=128),
 }

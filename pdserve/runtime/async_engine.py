@@ -153,8 +153,10 @@ class AsyncEngine:
                     time.sleep(self.batch_window_s)  # let requests that arrive together batch
             self._wake.clear()
             self._drain_commands()
-            if self.engine.has_unfinished():
-                self._step()
+            if self.engine.has_unfinished() and not self._step():
+                # Nothing was schedulable (blocks held by finished prefills awaiting export):
+                # wait for a command to change that instead of spinning a core.
+                self._wake.wait(timeout=0.05)
             engine_metrics.refresh_gauges(self.engine)
         self._fail_all(EngineDeadError("the engine stopped"))
 
@@ -166,7 +168,9 @@ class AsyncEngine:
                 return
             command()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, its outputs delivered; False when it had nothing to run."""
+        steps_before = self.engine.stats.steps
         counts_before = dict(self.engine.stats.batch_size_counts or {})
         start_ns = time.time_ns()
         start = time.perf_counter()
@@ -177,7 +181,7 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
-            return
+            return True
         self._record_step(outputs, counts_before, start, start_ns)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         for out in outputs:
@@ -186,6 +190,7 @@ class AsyncEngine:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, deliveries in by_loop.items():  # one wake-up of each loop per step
             loop.call_soon_threadsafe(_deliver, deliveries)
+        return self.engine.stats.steps != steps_before
 
     def _record_step(self, outputs: list[StepOutput], counts_before: dict[int, int],
                      start: float, start_ns: int) -> None:

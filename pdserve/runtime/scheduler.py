@@ -83,16 +83,40 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table and not self.blocks.allocate(seq):
+            n = self._admission_slots(seq, budget)
+            if n is None and self._unpin_waiting(seq):
+                n = self._admission_slots(seq, budget)  # retry with the blocks the others held
+            if n is None:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
-                break  # an imported sequence whose next token needs a block we lack
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             (out.decodes if n == 1 else out.prefills).append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _admission_slots(self, seq: Sequence, budget: int) -> int | None:
+        """Tokens of `seq` this step computes, its blocks taken; None when the cache is short."""
+        if not seq.block_table and not self.blocks.allocate(seq):
+            return None
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
+            return None  # an imported sequence whose next token needs a block we lack
+        return n
+
+    def _unpin_waiting(self, head: Sequence) -> bool:
+        """Releases the blocks that sequences waiting behind `head` hold (prefixes imported when
+        they were added); True if any did. Without this, waiting sequences holding the whole
+        cache and nothing running deadlock the engine. Their blocks stay cached by hash, so
+        `allocate` finds them again when their turn comes (unless evicted by then: recomputed)."""
+        released = False
+        for seq in self.waiting:
+            if seq is head or not seq.block_table:
+                continue
+            self.blocks.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            seq.block_hashes = []
+            released = True
+        return released
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
