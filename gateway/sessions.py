@@ -54,7 +54,10 @@ class _Gaps:
 
     def add(self, gap: float, alpha: float) -> None:
         if self.mean is None:
-            self.mean, self.dev = gap, gap / 2
+            # No spread known yet: the lead is then max(lead_s, lead_fraction x gap). A guessed
+            # spread (TCP starts at half the first sample) fired most predictions right at the
+            # turn's end, and blocks waiting that long were evicted by other sessions' turns.
+            self.mean, self.dev = gap, 0.0
         else:
             self.dev = alpha * abs(gap - self.mean) + (1 - alpha) * self.dev
             self.mean = alpha * gap + (1 - alpha) * self.mean

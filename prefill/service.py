@@ -31,7 +31,7 @@ from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine, StepOutput
-from pdserve.runtime.kv_transfer import ExportedBlock
+from pdserve.runtime.kv_transfer import ExportedBlock, pin_cached_blocks
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import WORKER_ERROR_CODES, Worker, put_blocks
 from prefill.single_flight import SingleFlight
@@ -67,14 +67,31 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.token_ids)
         params = sampling_from_proto(request.sampling)
         stored = self._stored_prefix(prompt, request.cached_blocks)
-        prefix = await self._fetch_prefix(rid, stored)
+        # What the paged cache holds now (a session prefetch put it there) must still be there
+        # when the sequence is added: another prompt's step could evict it while we fetch the rest.
+        pinned = await self.worker.aengine.call(lambda e: pin_cached_blocks(e, stored))
+        try:
+            prefix = await self._fetch_prefix(rid, stored)
+        except BaseException:
+            await self.worker.aengine.call(lambda e: e.block_manager.release(pinned))
+            raise
         last: StepOutput | None = None
-        add = lambda e: e.add_with_prefix(rid, prompt, params, prefix, hold_blocks=True)  # noqa: E731
+        added = False
+
+        def add(engine: Engine) -> None:
+            nonlocal added
+            added = True
+            try:
+                engine.add_with_prefix(rid, prompt, params, prefix, hold_blocks=True)
+            finally:
+                engine.block_manager.release(pinned)  # the sequence holds its own references now
         try:
             async for outs in self.worker.aengine.generate(rid, add):
                 last = outs[-1]
             blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid, set(stored)))
         except BaseException:
+            if not added:
+                await self.worker.aengine.call(lambda e: e.block_manager.release(pinned))
             await self._release(rid, drop=True)
             raise
         # The store holds the hinted prefix already (what was fetched is pinned under this lease);

@@ -86,13 +86,15 @@ def test_irregular_sessions_are_prefetched_earlier() -> None:
     clock = Clock()
     t = SessionTracker(clock, alpha=0.5, lead_s=0.1, lead_fraction=0.0, deviation_factor=2.0)
     t.arrival("s")
-    for gap in (10.0, 4.0):  # mean 10 -> 7; deviation 5 (first gap / 2) -> 0.5*6 + 0.5*5 = 5.5
+    for gap in (10.0, 4.0, 7.0):  # mean 10 -> 7 -> 7; deviation 0 -> 0.5*6 = 3 -> 0.5*0 + 0.5*3 = 1.5
         t.finished("s", "w", _hs("a"))
         clock.now += gap
         t.arrival("s")
     t.finished("s", "w", _hs("a", "b"))
     assert t.predicted_arrival("s") == pytest.approx(clock.now + 7.0)
-    clock.now += 7.0 - 11.0 + 0.01  # lead 2 x 5.5 = 11 > 7: due right away
+    clock.now += 7.0 - 3.0 - 0.01  # lead 2 x 1.5 = 3
+    assert t.due() == []
+    clock.now += 0.02
     [plan] = t.due()
     assert plan.block_hashes == tuple(_hs("a", "b"))
 

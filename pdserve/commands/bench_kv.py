@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=24, help="sessions: concurrent conversations")
     p.add_argument("--turns", type=int, default=4, help="sessions: turns per conversation")
     p.add_argument("--think-s", type=float, default=1.0, help="sessions: mean think time between turns")
+    p.add_argument("--think-model", choices=["regular", "exponential"], default="regular",
+                   help="sessions: regular = each session has its own mean think time (0.5-1.5 x --think-s)"
+                        " and each gap is within +-jitter of it; exponential = memoryless gaps of mean --think-s"
+                        " (nothing to predict)")
+    p.add_argument("--think-jitter", type=float, default=0.2, help="sessions: relative spread of a regular session's gaps")
     p.add_argument("--memory-mb", type=float, default=4.0, help="sessions: the kvstore's memory tier")
     p.add_argument("--worker-blocks", type=int, default=32,
                    help="sessions: KV blocks in each worker's paged cache (pdserve up --num-blocks)")
@@ -210,7 +215,9 @@ def bench_sessions(args: argparse.Namespace) -> dict:
                 redis.Redis(port=redis_proc.port).flushall()
     finally:
         redis_proc.kill()
-    return {"model": args.session_model, "sessions": args.sessions, "turns": args.turns, "think_s": args.think_s,
+    return {"model": args.session_model, "sessions": args.sessions, "think_model": args.think_model,
+            "think_jitter": args.think_jitter, "context_tokens": args.context_tokens,
+            "answer_tokens": args.answer_tokens, "turns": args.turns, "think_s": args.think_s,
             "worker_blocks": args.worker_blocks, "memory_tier_mb": args.memory_mb, "kv_backend": "redis", **arms}
 
 
@@ -221,6 +228,14 @@ def scrape_counter(port: int, name: str) -> dict[str, float]:
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {m[1]: float(m[2]) for m in re.finditer(rf'^{name}_total{{\w+="([^"]*)"}} ([0-9.e+]+)$', text, re.M)}
+
+
+def think_times(args: argparse.Namespace, rng: random.Random) -> Callable[[], float]:
+    """One session's think-time generator (see --think-model)."""
+    if args.think_model == "exponential":
+        return lambda: rng.expovariate(1 / args.think_s)
+    mean = args.think_s * rng.uniform(0.5, 1.5)
+    return lambda: mean * rng.uniform(1 - args.think_jitter, 1 + args.think_jitter)
 
 
 STORY_WORDS = ("the cat dog sun tree ball park bird boat girl boy little big red happy sad ran saw "
@@ -244,6 +259,22 @@ def scrape_sources(ports: list[int], name: str) -> dict[str, float]:
     for port in ports:
         for k, v in scrape_counter(port, name).items():
             total[k] = total.get(k, 0) + v
+    return total
+
+
+def scrape_prefetch(ports: list[int]) -> dict[str, float]:
+    """pdserve_prefetch_blocks_total as {"<signal>_<outcome>": blocks} summed over `ports`."""
+    import re
+    import urllib.request
+
+    total: dict[str, float] = {}
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for m in re.finditer(r'^pdserve_prefetch_blocks_total{(\w+)="([^"]*)",(\w+)="([^"]*)"} ([0-9.e+]+)$',
+                             text, re.M):
+            labels = {m[1]: m[2], m[3]: m[4]}
+            key = f"{labels['signal']}_{labels['outcome']}"
+            total[key] = total.get(key, 0) + float(m[5])
     return total
 
 
@@ -278,11 +309,13 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
         stub = stack.gateway_stub()
         timed_generate(stub, "warm up", 2)
         before = {kind: scrape_sources(ports[kind], f"pdserve_{kind}_blocks") for kind in ports}
+        prefetch_before = {kind: scrape_prefetch(ports[kind]) for kind in ports}
         openings = ["Once upon a time", "The little dog", "Lily and Tom", "A big red boat", "The sun was hot"]
         lines = ["and then they played.", "Tom said hello.", "The cat ran away.", "They were happy."]
 
         def conversation(i: int) -> list[dict]:
             r = random.Random(args.seed * 1000 + i)
+            think = think_times(args, r)
             time.sleep(r.uniform(0, args.think_s))  # sessions start spread out
             text = f"{openings[i % len(openings)]} number {i} went to the park."
             if args.context_tokens:  # a document of the session's own, as a chat about a file would have
@@ -301,7 +334,7 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
                 # Decoded with the history: the answer alone would lose its leading space, and
                 # the next prompt would then diverge from this chain right at the answer.
                 text = tok.decode(prev_chain + out["tokens"][-1:]) + " " + r.choice(lines)
-                time.sleep(r.expovariate(1 / args.think_s))
+                time.sleep(think())
             return turns
 
         start = time.perf_counter()
@@ -311,6 +344,8 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
         time.sleep(0.2)
         src = {kind: {k: v - before[kind].get(k, 0) for k, v in scrape_sources(ports[kind], f"pdserve_{kind}_blocks").items()}
                for kind in ports}
+        prefetch = {kind: {k: v - prefetch_before[kind].get(k, 0) for k, v in scrape_prefetch(ports[kind]).items()}
+                    for kind in ports}
         needed = sum(src["decode"].values())
         there = sum(src["decode"].get(k, 0) for k in LOCAL_SOURCES)
         prefill_reused = sum(src["prefill"].values())
@@ -333,6 +368,8 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
                 "reusable_blocks": sum(r["reusable_blocks"] for r in later),
                 "prefill_cached_frac": round(sum(r["cached_tokens"] for r in later)
                                              / max(sum(r["prompt_tokens"] for r in later), 1), 3),
+                **{f"{kind}_prefetch_session_{o}": int(prefetch[kind].get(f"session_{o}", 0))
+                   for kind in ports for o in ("hit", "late", "wasted")},
                 "kvstore_evictions": stats.evictions, "redis_hits": stats.backend_hits,
                 "redis_errors": stats.backend_errors}
     finally:

@@ -119,6 +119,13 @@ def import_prefix_blocks(engine: Engine, seq: Sequence, blocks: Mapping[bytes, t
     return len(table)
 
 
+def pin_cached_blocks(engine: Engine, hashes: list[bytes]) -> list[int]:
+    """Takes a reference on each of `hashes` the paged cache holds, so that no eviction takes it
+    before the request that will reuse it is added; release with `block_manager.release`."""
+    bm = engine.block_manager
+    return [bid for bid in (bm.ref_cached(h) for h in hashes) if bid is not None]
+
+
 def import_cached_blocks(engine: Engine, hashes: list[bytes], blocks: Mapping[bytes, torch.Tensor],
                          max_blocks: int | None = None) -> int:
     """Copies the full blocks `hashes` (a chain, in order) into the paged cache as cached,
