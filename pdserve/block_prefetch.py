@@ -44,7 +44,7 @@ from prometheus_client import Counter
 
 from kvstore.client import KVStoreProtocolError
 from pdserve.kvwire import KVBlockError, decode_block
-from pdserve.runtime.kv_transfer import import_cached_blocks
+from pdserve.runtime.kv_transfer import import_cached_blocks, pin_cached_blocks
 from pdserve.worker_common import Worker, record_transfer
 from pdserve.worker_metrics import PREFETCH_BLOCKS
 
@@ -64,7 +64,7 @@ PREFILL_BLOCKS = Counter("pdserve_prefill_blocks_total",
 class BlockPrefetcher:
     def __init__(self, worker: Worker, max_staged_blocks: int = 4096,
                  clock: Callable[[], float] = time.monotonic, blocks_counter: Counter = DECODE_BLOCKS,
-                 signals: Sequence[str] = SIGNALS) -> None:
+                 signals: Sequence[str] = SIGNALS, hold_s: float | None = None) -> None:
         self.worker = worker
         self.blocks_counter = blocks_counter  # where each needed block came from (DECODE_/PREFILL_BLOCKS)
         self.signals = tuple(signals)  # the signals this worker accepts
@@ -74,6 +74,10 @@ class BlockPrefetcher:
         self._staged: OrderedDict[bytes, tuple[torch.Tensor, float]] = OrderedDict()
         self._inflight: dict[bytes, tuple[str, asyncio.Future]] = {}  # hash -> (signal, fetch task)
         self._promoted: dict[bytes, str] = {}  # session/hot blocks put in the paged cache, not used yet
+        # hold_s: promoted blocks are pinned (referenced) until a request claims them or this long
+        # has passed, so that other requests' steps cannot evict a prefetch before its turn comes.
+        self.hold_s = hold_s
+        self._holds: dict[bytes, tuple[int, float]] = {}  # hash -> (block id, release deadline)
         self.hits = 0  # blocks a Decode found prefetched (any signal)
         self.rejected = 0  # blocks that failed their wire checks
         self.sources = dict.fromkeys(SOURCES, 0)  # pdserve_decode_blocks_total, also kept here
@@ -123,6 +127,7 @@ class BlockPrefetcher:
                 source.setdefault(h, "fetched" if h in fetched else "missing")
         for h in hashes:
             self._count(source.get(h, "late"))
+        await self._release_holds([h for h in hashes if h in self._holds])
         return found
 
     def _count(self, source: str) -> None:
@@ -140,6 +145,25 @@ class BlockPrefetcher:
         """For a worker that reports no residency (prefill): promoted blocks that left the paged
         cache unused were wasted."""
         self.evicted([h for h in self._promoted if not self.is_local(h)])
+
+    async def expire_holds(self) -> None:
+        """Unpins held blocks whose time is up (they stay cached: a later request may still hit)."""
+        now = self._clock()
+        await self._release_holds([h for h, (_, deadline) in self._holds.items() if deadline <= now])
+
+    async def make_room(self, blocks: int) -> None:
+        """Unpins held blocks, the soonest to expire first, until `blocks` are free (a request
+        that runs now beats a prefetch for a turn that has not come yet)."""
+        bm = self.worker.engine.block_manager
+        short = blocks - bm.num_free_blocks
+        if short > 0 and self._holds:
+            by_deadline = sorted(self._holds, key=lambda h: self._holds[h][1])
+            await self._release_holds(by_deadline[:short])
+
+    async def _release_holds(self, hashes: list[bytes]) -> None:
+        bids = [self._holds.pop(h)[0] for h in hashes if h in self._holds]
+        if bids:
+            await self.worker.aengine.call(lambda e: e.block_manager.release(bids))
 
     def _claim_promoted(self, h: bytes) -> str | None:
         """The signal that put `h` in the paged cache, if it is still there (counted as a hit)."""
@@ -173,9 +197,18 @@ class BlockPrefetcher:
 
     async def _promote(self, hashes: list[bytes], blocks: dict[bytes, torch.Tensor], signal: str) -> None:
         chain = [h for h in hashes if h in blocks]
-        copied = await self.worker.aengine.call(lambda e: import_cached_blocks(e, chain, blocks))
-        for h in chain[:copied]:
+
+        def place(engine) -> tuple[list[bytes], list[int]]:
+            new = [h for h in chain if engine.block_manager.lookup(h) is None]
+            placed = new[:import_cached_blocks(engine, chain, blocks)]  # copied in, in chain order
+            return placed, pin_cached_blocks(engine, placed) if self.hold_s is not None else []
+        placed, held = await self.worker.aengine.call(place)
+        copied = len(placed)
+        for h in placed:
             self._promoted[h] = signal
+        deadline = self._clock() + (self.hold_s or 0.0)
+        for h, bid in zip(placed, held):  # newly placed: none of them was held before
+            self._holds[h] = (bid, deadline)
         if len(chain) > copied:  # no room in the paged cache: fetched for nothing
             PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc(len(chain) - copied)
 

@@ -21,6 +21,7 @@ request runs here joins that run instead of starting a second one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -37,6 +38,8 @@ from pdserve.worker_common import WORKER_ERROR_CODES, Worker, put_blocks
 from prefill.single_flight import SingleFlight
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
+PREFETCH_HOLD_S = 10.0  # how long a session prefetch stays pinned waiting for its turn
+HOLD_SWEEP_S = 0.5
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +48,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.flights: SingleFlight[worker_pb2.PrefillResponse] = SingleFlight()
         # Dispatch staging is a decode worker's business: a Prefill fetches its prefix at once.
-        self.prefetcher = BlockPrefetcher(worker, blocks_counter=PREFILL_BLOCKS, signals=("session", "hot"))
+        # Session blocks are held against eviction until their turn uses them, for at most
+        # PREFETCH_HOLD_S (a turn later than that was mispredicted: the blocks become evictable).
+        self.prefetcher = BlockPrefetcher(worker, blocks_counter=PREFILL_BLOCKS, signals=("session", "hot"),
+                                          hold_s=PREFETCH_HOLD_S)
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_holds_forever())
+
+    async def _expire_holds_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HOLD_SWEEP_S)
+            try:
+                await self.prefetcher.expire_holds()
+                self.prefetcher.sweep_evicted()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine may be stopping; try next round
+                log.debug("prefetch hold sweep failed: %s", exc)
 
     async def Prepare(self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrepareResponse:
@@ -67,6 +85,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.token_ids)
         params = sampling_from_proto(request.sampling)
         stored = self._stored_prefix(prompt, request.cached_blocks)
+        await self.prefetcher.make_room(-(-len(prompt) // self.worker.spec.block_size))
         # What the paged cache holds now (a session prefetch put it there) must still be there
         # when the sequence is added: another prompt's step could evict it while we fetch the rest.
         pinned = await self.worker.aengine.call(lambda e: pin_cached_blocks(e, stored))

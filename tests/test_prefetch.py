@@ -53,17 +53,17 @@ def test_session_think_time_ewma_and_prefetch_timing() -> None:
     clock.now += 3
     t.finished("s", "w1:1", _hs("a", "b", "c"))
     assert t.predicted_arrival("s") == clock.now + 10
-    clock.now += 8.9  # lead = max(1.0, 0.1 * 10) = 1.0: due at +9
+    clock.now += 7.9  # lead = 1.0 (to land) + 0.1 * 10 (margin) = 2.0: due at +8
     assert t.due() == []
     clock.now += 0.2
     [plan] = t.due()
     assert plan.worker == "w1:1" and plan.block_hashes == tuple(_hs("a", "b", "c"))
     assert t.due() == []  # once per turn
     clock.now += 2
-    t.arrival("s")  # gap 11.1: EWMA 0.5 * 11.1 + 0.5 * 10
+    t.arrival("s")  # gap 10.1: EWMA 0.5 * 10.1 + 0.5 * 10
     clock.now += 1
     t.finished("s", "w2:2", _hs("a"))
-    assert t.predicted_arrival("s") == pytest.approx(clock.now + 10.55)
+    assert t.predicted_arrival("s") == pytest.approx(clock.now + 10.05)
 
 
 def test_arrival_before_the_prediction_fires_counts_late() -> None:
@@ -92,7 +92,7 @@ def test_irregular_sessions_are_prefetched_earlier() -> None:
         t.arrival("s")
     t.finished("s", "w", _hs("a", "b"))
     assert t.predicted_arrival("s") == pytest.approx(clock.now + 7.0)
-    clock.now += 7.0 - 3.0 - 0.01  # lead 2 x 1.5 = 3
+    clock.now += 7.0 - 3.1 - 0.01  # lead 0.1 + 2 x 1.5 = 3.1
     assert t.due() == []
     clock.now += 0.02
     [plan] = t.due()

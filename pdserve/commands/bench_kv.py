@@ -359,6 +359,10 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
                                           / max(prefill_reused, 1), 3),
                 "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
                 "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+                # From the third turn on the session's own think time is known (the second turn
+                # is predicted only from other sessions' gaps, when there were some).
+                "ttft_p50_ms_turn3+": round(1000 * percentile([r["ttft_s"] for r in later if r["turn"] >= 2], 50), 1),
+                "ttft_p99_ms_turn3+": round(1000 * percentile([r["ttft_s"] for r in later if r["turn"] >= 2], 99), 1),
                 "decode_blocks": int(needed),
                 **{f"blocks_{k}": int(src["decode"].get(k, 0)) for k in ("resident", "session", "dispatch", "late",
                                                                           "fetched", "missing")},
@@ -370,6 +374,7 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
                                              / max(sum(r["prompt_tokens"] for r in later), 1), 3),
                 **{f"{kind}_prefetch_session_{o}": int(prefetch[kind].get(f"session_{o}", 0))
                    for kind in ports for o in ("hit", "late", "wasted")},
+                "ttfts_ms_by_turn": [[r["turn"], round(1000 * r["ttft_s"], 1)] for r in later],
                 "kvstore_evictions": stats.evictions, "redis_hits": stats.backend_hits,
                 "redis_errors": stats.backend_errors}
     finally:
@@ -451,12 +456,12 @@ def format_table(results: dict) -> str:
     lines = []
     for scenario, data in results.items():
         lines.append(f"== {scenario}")
-        flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
+        flat = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
         arms = {k: v for k, v in data.items() if isinstance(v, dict)}
         for k, v in flat.items():
             lines.append(f"  {k:<28} {v}")
         if arms:
-            keys = list(next(iter(arms.values())))
+            keys = [k for k, v in next(iter(arms.values())).items() if not isinstance(v, list)]
             lines.append("  " + f"{'':<20}" + "".join(f"{a:>16}" for a in arms))
             for k in keys:
                 lines.append("  " + f"{k:<20}" + "".join(f"{str(arms[a].get(k)):>16}" for a in arms))
