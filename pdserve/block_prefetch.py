@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import grpc
 import torch
@@ -92,8 +92,9 @@ class BlockPrefetcher:
                              f" {', '.join(self.signals)}")
         self._drop_stale()
         wanted = [h for h in hashes if not self.is_local(h) and h not in self._staged and h not in self._inflight]
-        if wanted:
-            task = asyncio.ensure_future(self._fetch_and_place(wanted, signal))
+        holding = self.hold_s is not None and signal != "dispatch"  # the resident part is held too
+        if wanted or holding:
+            task = asyncio.ensure_future(self._fetch_and_place(wanted, signal, list(hashes)))
             for h in wanted:
                 self._inflight[h] = (signal, task)
         return len(hashes) - len(wanted), len(wanted)
@@ -151,13 +152,13 @@ class BlockPrefetcher:
         now = self._clock()
         await self._release_holds([h for h, (_, deadline) in self._holds.items() if deadline <= now])
 
-    async def make_room(self, blocks: int) -> None:
-        """Unpins held blocks, the soonest to expire first, until `blocks` are free (a request
-        that runs now beats a prefetch for a turn that has not come yet)."""
+    async def make_room(self, blocks: int, keep: Collection[bytes] = ()) -> None:
+        """Unpins held blocks but `keep` (the request's own), the soonest to expire first, until
+        `blocks` are free: a request that runs now beats a prefetch for a turn still to come."""
         bm = self.worker.engine.block_manager
         short = blocks - bm.num_free_blocks
         if short > 0 and self._holds:
-            by_deadline = sorted(self._holds, key=lambda h: self._holds[h][1])
+            by_deadline = sorted((h for h in self._holds if h not in keep), key=lambda h: self._holds[h][1])
             await self._release_holds(by_deadline[:short])
 
     async def _release_holds(self, hashes: list[bytes]) -> None:
@@ -174,13 +175,13 @@ class BlockPrefetcher:
             return signal
         return None
 
-    async def _fetch_and_place(self, hashes: list[bytes], signal: str) -> None:
+    async def _fetch_and_place(self, hashes: list[bytes], signal: str, chain: list[bytes]) -> None:
         try:
-            blocks = await self._fetch(hashes, request_id="")
+            blocks = await self._fetch(hashes, request_id="") if hashes else {}
             if signal == "dispatch":
                 self._stage(blocks)
             else:
-                await self._promote(hashes, blocks, signal)
+                await self._promote(hashes, blocks, signal, chain)
         except Exception as exc:  # noqa: BLE001 - a hint must never fail a request
             log.warning("%s prefetch of %d blocks failed: %s", signal, len(hashes), exc)
         finally:
@@ -195,19 +196,26 @@ class BlockPrefetcher:
             self._staged.popitem(last=False)
             PREFETCH_BLOCKS.labels(signal="dispatch", outcome="wasted").inc()
 
-    async def _promote(self, hashes: list[bytes], blocks: dict[bytes, torch.Tensor], signal: str) -> None:
+    async def _promote(self, hashes: list[bytes], blocks: dict[bytes, torch.Tensor], signal: str,
+                       chain_hashes: list[bytes]) -> None:
+        """Puts the fetched `hashes` into the paged cache; with hold_s, pins all of `chain_hashes`."""
         chain = [h for h in hashes if h in blocks]
 
-        def place(engine) -> tuple[list[bytes], list[int]]:
-            new = [h for h in chain if engine.block_manager.lookup(h) is None]
+        def place(engine) -> tuple[list[bytes], list[tuple[bytes, int]]]:
+            bm = engine.block_manager
+            new = [h for h in chain if bm.lookup(h) is None]
             placed = new[:import_cached_blocks(engine, chain, blocks)]  # copied in, in chain order
-            return placed, pin_cached_blocks(engine, placed) if self.hold_s is not None else []
+            if self.hold_s is None:
+                return placed, []
+            # Hold the whole chain, also what was resident already: it is as evictable.
+            keep = [h for h in chain_hashes if h not in self._holds and bm.lookup(h) is not None]
+            return placed, list(zip(keep, pin_cached_blocks(engine, keep)))
         placed, held = await self.worker.aengine.call(place)
         copied = len(placed)
         for h in placed:
             self._promoted[h] = signal
         deadline = self._clock() + (self.hold_s or 0.0)
-        for h, bid in zip(placed, held):  # newly placed: none of them was held before
+        for h, bid in held:
             self._holds[h] = (bid, deadline)
         if len(chain) > copied:  # no room in the paged cache: fetched for nothing
             PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc(len(chain) - copied)

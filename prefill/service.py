@@ -85,7 +85,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.token_ids)
         params = sampling_from_proto(request.sampling)
         stored = self._stored_prefix(prompt, request.cached_blocks)
-        await self.prefetcher.make_room(-(-len(prompt) // self.worker.spec.block_size))
+        bm = self.worker.engine.block_manager
+        new_blocks = -(-len(prompt) // self.worker.spec.block_size) - sum(bm.lookup(h) is not None for h in stored)
+        await self.prefetcher.make_room(new_blocks, keep=set(stored))
         # What the paged cache holds now (a session prefetch put it there) must still be there
         # when the sequence is added: another prompt's step could evict it while we fetch the rest.
         pinned = await self.worker.aengine.call(lambda e: pin_cached_blocks(e, stored))

@@ -112,7 +112,7 @@ async def _scenario(stack, redis: RedisServer) -> None:
 
         await _until(lambda: _eq(decode_holds(), 0), "the decode worker's residency report shows the eviction")
 
-        clock.now += 8.95  # predicted at +10 from the end of turn 2; the lead is 1 s: not due yet
+        clock.now += 7.95  # predicted at +10 from the end of turn 2; lead 1 s + 10% of 10 s: due at +8
         await asyncio.sleep(0.3)
         assert await decode_holds() == 0
         clock.now += 0.1  # due now: the gateway's session task fires within a tick
