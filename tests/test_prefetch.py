@@ -265,3 +265,35 @@ def test_session_prefetch_off_keeps_session_routing(monkeypatch) -> None:
     flow.sessions.finished("s", "decode-1:5", [b"h"])
     assert flow._session_arrival("s") == "decode-1:5"  # the next turn goes back to its worker
     assert flow._session_task is None  # but nothing is prefetched
+
+
+def test_held_session_blocks_survive_until_claimed_expired_or_needed(engine) -> None:
+    """With hold_s (the prefill worker), a session prefetch pins its whole chain: not evictable
+    until a request claims it, its hold expires, or a running prompt needs the room."""
+    async def scenario() -> None:
+        clock = Clock()
+        bm = engine.block_manager
+        chain, data = _chain_blocks(engine, list(range(300, 300 + 64)))  # 4 blocks
+        other, other_data = _chain_blocks(engine, list(range(400, 400 + 32)))  # 2 blocks
+        p = BlockPrefetcher(_worker(engine, FakeKV({**data, **other_data})), clock=clock, hold_s=5.0,
+                            signals=("session",))
+        free = bm.num_free_blocks
+        p.prefetch(chain, "session")
+        await _settled(p)
+        assert all(p.is_local(h) for h in chain) and bm.num_free_blocks == free - 4  # pinned, not evictable
+        await p.gather("r", chain[:2])  # a request used two: their holds end
+        assert bm.num_free_blocks == free - 2
+        clock.now += 6
+        await p.expire_holds()  # the turn never came for the rest: evictable again (still cached)
+        assert bm.num_free_blocks == free and all(p.is_local(h) for h in chain)
+
+        p.prefetch(other, "session")
+        await _settled(p)
+        assert bm.num_free_blocks == free - 2
+        await p.make_room(free - 1, keep={other[0]})  # a prompt needs all but one block
+        assert bm.num_free_blocks == free - 1  # other[1]'s hold was given up, other[0] kept
+        clock.now += 6
+        await p.expire_holds()
+        assert bm.num_free_blocks == free
+
+    asyncio.run(scenario())
