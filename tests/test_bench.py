@@ -251,3 +251,25 @@ def test_no_target_is_a_usage_error(capsys) -> None:
     args = build_parser().parse_args(["bench"])
     assert args._run(args) == 2
     assert "--server" in capsys.readouterr().err
+
+
+def test_bench_kv_think_times_and_documents() -> None:
+    """The sessions scenario's workload: regular sessions stay within their jitter around their
+    own mean; exponential ones have the asked mean; a document is at least the asked length."""
+    import argparse
+    import random
+    import statistics
+
+    from pdserve.commands.bench_kv import story_text, think_times
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+
+    regular = think_times(argparse.Namespace(think_model="regular", think_s=4.0, think_jitter=0.2), random.Random(1))
+    gaps = [regular() for _ in range(200)]
+    assert min(gaps) / max(gaps) >= 0.8 / 1.2 - 1e-9  # within +-20 % of one mean in [2, 6] s
+    assert 2.0 * 0.8 <= min(gaps) and max(gaps) <= 6.0 * 1.2
+    memoryless = think_times(argparse.Namespace(think_model="exponential", think_s=4.0, think_jitter=0.2),
+                             random.Random(2))
+    assert 3.0 < statistics.mean(memoryless() for _ in range(4000)) < 5.0
+    tok = load_checkpoint(resolve_model_path(None)).tokenizer
+    text = story_text(tok, random.Random(3), 300)
+    assert 300 <= len(tok.encode(text, add_bos=False)) < 340

@@ -5,13 +5,17 @@ Scenarios (`--scenario`, default all):
                  Llama (hidden 512, 8 layers) that the benchmark builds and saves as an HF
                  directory in a temp folder; TTFT P50/P99 with caching on (shared prefix) vs off
                  (the same prompts made unshareable by a distinct first token).
-  sessions       multi-turn sessions (each turn's prompt: the previous prompt, its answer and a new
-                 line) whose KV is larger than the workers' paged caches (--worker-blocks) and the
-                 kvstore's memory tier (--memory-mb), with Redis holding the rest; with session
-                 prefetch off vs on (same seed): the decode hit rate (of the blocks each Decode
-                 needed, the fraction already on its worker when it arrived: resident in the paged
-                 cache or brought by a prefetch; from the decode workers' pdserve_decode_blocks_total)
-                 and TTFT P50/P99 of the turns after the first (stories260K, the bundled model).
+  sessions       multi-turn sessions: each opens with a document of its own (--context-tokens),
+                 and each turn's prompt is the previous prompt, its answer and a new line; their KV
+                 is larger than the workers' paged caches (--worker-blocks) and the kvstore's
+                 memory tier (--memory-mb), with Redis holding the rest. Session prefetch off vs
+                 on (same seed, same think times: --think-model). Reported: the prefill hit rate
+                 (of the history blocks each Prefill reused, the fraction already in the prefill
+                 worker's paged cache when the turn arrived: it decides TTFT), the decode hit rate
+                 (all blocks each Decode needed, and those that existed before the turn), TTFT
+                 P50/P99 of the turns after the first (and from the third on), where each block
+                 came from, and every session prefetch's outcome. Model: a random Llama
+                 (--session-model, default llama-256x8: 32 KiB of KV per token).
   transfer       MB/s of KV blocks (64 KiB of KV per token, 16-token blocks) prefill -> kvstore
                  -> decode through the kvstore's gRPC API, vs raw pipelined Redis SET/GET of the
                  same bytes, in the same run.
@@ -45,21 +49,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=200, help="shared-prefix: requests per arm")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: shared prefix length")
     p.add_argument("--concurrency", type=int, default=4, help="shared-prefix: requests in flight")
-    p.add_argument("--sessions", type=int, default=24, help="sessions: concurrent conversations")
-    p.add_argument("--turns", type=int, default=4, help="sessions: turns per conversation")
-    p.add_argument("--think-s", type=float, default=1.0, help="sessions: mean think time between turns")
+    p.add_argument("--sessions", type=int, default=6, help="sessions: concurrent conversations")
+    p.add_argument("--turns", type=int, default=8, help="sessions: turns per conversation")
+    p.add_argument("--think-s", type=float, default=4.0, help="sessions: mean think time between turns")
     p.add_argument("--think-model", choices=["regular", "exponential"], default="regular",
                    help="sessions: regular = each session has its own mean think time (0.5-1.5 x --think-s)"
                         " and each gap is within +-jitter of it; exponential = memoryless gaps of mean --think-s"
                         " (nothing to predict)")
     p.add_argument("--think-jitter", type=float, default=0.2, help="sessions: relative spread of a regular session's gaps")
-    p.add_argument("--memory-mb", type=float, default=4.0, help="sessions: the kvstore's memory tier")
-    p.add_argument("--worker-blocks", type=int, default=32,
+    p.add_argument("--memory-mb", type=float, default=64.0, help="sessions: the kvstore's memory tier")
+    p.add_argument("--worker-blocks", type=int, default=192,
                    help="sessions: KV blocks in each worker's paged cache (pdserve up --num-blocks)")
-    p.add_argument("--answer-tokens", type=int, default=48, help="sessions: tokens generated per turn")
-    p.add_argument("--context-tokens", type=int, default=0,
+    p.add_argument("--answer-tokens", type=int, default=16, help="sessions: tokens generated per turn")
+    p.add_argument("--context-tokens", type=int, default=600,
                    help="sessions: a document of about this many tokens opens each session's first prompt")
-    p.add_argument("--session-model", choices=[*MODEL_SHAPES, "stories260K"], default="llama-kv128k",
+    p.add_argument("--session-model", choices=[*MODEL_SHAPES, "stories260K"], default="llama-256x8",
                    help="sessions: a random Llama (MODEL_SHAPES) or the tiny bundled model")
     p.add_argument("--transfer-mb", type=float, default=256, help="transfer: KV bytes moved per arm")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "/usr/bin/redis-server")
