@@ -32,7 +32,8 @@ def deployment_children(args: argparse.Namespace, dep: DeploymentConfig) -> list
     kv = _address()
     engine = ("--model", dep.model, "--block-size", str(dep.block_size), "--kv-dtype", dep.kv_dtype,
               "--num-blocks", str(dep.num_blocks or args.num_blocks),
-              *(("--threads", str(args.threads)) if args.threads else ()))
+              *(("--threads", str(args.threads)) if args.threads else ()),
+              *(("--max-batched-tokens", str(args.max_batched_tokens)) if getattr(args, "max_batched_tokens", 0) else ()))
     children = [ChildSpec(f"kvstore-{dep.name}", kv, pdserve_command(
         "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb), "--kv-backend", args.kv_backend))]
     for kind, count in (("prefill", dep.prefill or args.prefill), ("decode", dep.decode or args.decode)):

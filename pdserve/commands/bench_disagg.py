@@ -202,7 +202,9 @@ def calibrate(stack, args: argparse.Namespace, reps: int = 3) -> dict[str, float
     slope = max(long_s - short_s, 1e-6) / max(long_tokens - short_tokens, 1)
     return {"short_tokens": short_tokens, "short_ttft_ms": round(short_s * 1e3, 1), "long_tokens": long_tokens,
             "long_ttft_ms": round(long_s * 1e3, 1), "capacity_rps": round(1 / per_request, 3),
-            "prefill_ms_per_token": round(slope * 1e3, 4)}
+            # At least 0.0001: the gateway refuses 0, which rounding gave when a tiny model's long
+            # prompt was not slower than its short one (overhead, not compute, sets its TTFT).
+            "prefill_ms_per_token": max(round(slope * 1e3, 4), 0.0001)}
 
 
 def run_round(stack, conversations: list, offsets: list[float], run_id: str) -> tuple[Any, int]:

@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-mb", type=float, default=256, help="transfer: KV bytes moved per arm")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "/usr/bin/redis-server")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="sessions: engine step token budget of the workers (pdserve up --max-batched-tokens)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -221,7 +223,7 @@ def bench_sessions(args: argparse.Namespace) -> dict:
         redis_proc.kill()
     return {"model": args.session_model, "sessions": args.sessions, "think_model": args.think_model,
             "think_jitter": args.think_jitter, "context_tokens": args.context_tokens,
-            "answer_tokens": args.answer_tokens, "turns": args.turns, "think_s": args.think_s,
+            "answer_tokens": args.answer_tokens, "max_batched_tokens": args.max_batched_tokens or "default", "turns": args.turns, "think_s": args.think_s,
             "worker_blocks": args.worker_blocks, "memory_tier_mb": args.memory_mb, "kv_backend": "redis", **arms}
 
 
@@ -306,7 +308,8 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
     model_args = ("--model", model) if model else ()
     stack = start_stack(1, 2, *model_args, "--kvstore-capacity-mb", str(args.memory_mb), "--threads", str(args.threads),
                         "--num-blocks", str(args.worker_blocks), "--kv-backend", redis_url,
-                        "--block-size", str(bs), "--metrics-port-base", str(metrics_base))
+                        "--block-size", str(bs), "--metrics-port-base", str(metrics_base),
+                        "--max-batched-tokens", str(args.max_batched_tokens))
     ports = {kind: [metrics_base + i for i, c in enumerate(stack.workers) if c.spec.name.startswith(kind)]
              for kind in ("prefill", "decode")}
     try:

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8", "fp8_e4m3"])
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
+    p.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="token budget of one engine step in each worker (0: the workers' default); smaller"
+                        " chunks let short prompts pass long ones sooner")
     p.add_argument("--kvstore-capacity-mb", type=float, default=1024, help="memory of the kvstore")
     p.add_argument("--kv-backend", default=os.environ.get("PDSERVE_KV_BACKEND", "memory"),
                    help="the kvstore's second tier: memory (none) or redis://host:port/db")
@@ -138,7 +141,8 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     kv = f"{loopback}:{free_port()}"
     model = ("--model", args.model) if args.model else ()
     engine = (*model, "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype,
-              "--num-blocks", str(args.num_blocks), *(("--threads", str(args.threads)) if args.threads else ()))
+              "--num-blocks", str(args.num_blocks), *(("--threads", str(args.threads)) if args.threads else ()),
+              *(("--max-batched-tokens", str(args.max_batched_tokens)) if args.max_batched_tokens else ()))
     workers = [ChildSpec("kvstore", kv, pdserve_command(
         "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb),
         "--kv-backend", args.kv_backend))]
