@@ -84,7 +84,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._admission_slots(seq, budget)
-            if n is None and self._unpin_waiting(seq):
+            # Only when nothing runs: a running sequence frees its blocks when it ends, and taking
+            # the others' prefixes costs them a recompute whenever the head then evicts them.
+            if n is None and not self.running and self._unpin_waiting(seq):
                 n = self._admission_slots(seq, budget)  # retry with the blocks the others held
             if n is None:
                 break
@@ -106,7 +108,7 @@ class Scheduler:
     def _unpin_waiting(self, head: Sequence) -> bool:
         """Releases the blocks that sequences waiting behind `head` hold (prefixes imported when
         they were added); True if any did. Without this, waiting sequences holding the whole
-        cache and nothing running deadlock the engine. Their blocks stay cached by hash, so
+        cache with nothing running deadlock the engine. Their blocks stay cached by hash, so
         `allocate` finds them again when their turn comes (unless evicted by then: recomputed)."""
         released = False
         for seq in self.waiting:
