@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -87,3 +88,25 @@ def make_engine() -> Iterator[EngineFactory]:
         if not engine.has_unfinished():
             bm = engine.block_manager
             assert bm.num_free_blocks == bm.num_blocks, "idle engine still holds referenced blocks"
+
+
+GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+def _gpu_missing() -> str | None:
+    """Why tests/gpu cannot run here, or None when they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device: tests/gpu checks the CuPy kernels and the model on a GPU only (CI compiles the kernels with nvcc)"
+    if importlib.util.find_spec("cupy") is None:
+        return "cupy not installed: pip install 'pdserve[gpu]'"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/gpu is skipped, with the reason shown, where there is no GPU."""
+    reason = _gpu_missing()
+    if reason is None:
+        return
+    for item in items:
+        if GPU_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.skip(reason=reason))

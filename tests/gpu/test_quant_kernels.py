@@ -13,16 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="no CUDA device: the W8A16/W4A16 kernel is only checked on a GPU (CI compiles it with nvcc)")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device: the W8A16/W4A16 kernel is only checked on a GPU", allow_module_level=True)
-pytest.importorskip("cupy", reason="cupy not installed: pip install 'pdserve[gpu]'")
-
-from pdserve.quant.linear import QuantLinear  # noqa: E402
-from pdserve.quant.packing import pack_rows  # noqa: E402
-from pdserve.runtime.kernels import cuda_ops, cuda_quant, kv_quant, torch_ops  # noqa: E402
+from pdserve.quant.linear import QuantLinear
+from pdserve.quant.packing import pack_rows
+from pdserve.runtime.kernels import cuda_ops, cuda_quant, kv_quant, torch_ops
 
 DEV = torch.device("cuda")
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 3e-2)}
