@@ -31,7 +31,7 @@ import os
 
 import grpc
 
-from pdserve.block_prefetch import BlockPrefetcher
+from pdserve.block_prefetch import BlockPrefetcher, answer_prepare
 from decode.write_back import BlockWriteBack
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
@@ -59,11 +59,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Prepare(self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrepareResponse:
-        try:
-            local, fetching = self.prefetcher.prefetch(list(request.block_hashes), request.signal or "dispatch")
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return worker_pb2.PrepareResponse(blocks_local=local, blocks_fetching=fetching)
+        return await answer_prepare(self.prefetcher, request, context, "dispatch")
 
     @abort_on(WORKER_ERROR_CODES)
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):

@@ -45,6 +45,7 @@ from prometheus_client import Counter
 from kvstore.client import KVStoreProtocolError
 from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.runtime.kv_transfer import import_cached_blocks, pin_cached_blocks
+from pdserve.v1 import worker_pb2
 from pdserve.worker_common import Worker, record_transfer
 from pdserve.worker_metrics import PREFETCH_BLOCKS
 
@@ -80,7 +81,7 @@ class BlockPrefetcher:
         self._holds: dict[bytes, tuple[int, float]] = {}  # hash -> (block id, release deadline)
         self.hits = 0  # blocks a Decode found prefetched (any signal)
         self.rejected = 0  # blocks that failed their wire checks
-        self.sources = dict.fromkeys(SOURCES, 0)  # pdserve_decode_blocks_total, also kept here
+        self.sources = dict.fromkeys(SOURCES, 0)  # what blocks_counter counts, also kept here
 
     def is_local(self, h: bytes) -> bool:
         return self.worker.engine.block_manager.lookup(h) is not None
@@ -208,15 +209,21 @@ class BlockPrefetcher:
             if self.hold_s is None:
                 return placed, []
             # Hold the whole chain, also what was resident already: it is as evictable.
-            keep = [h for h in chain_hashes if h not in self._holds and bm.lookup(h) is not None]
+            keep = [h for h in chain_hashes if bm.lookup(h) is not None]
             return placed, list(zip(keep, pin_cached_blocks(engine, keep)))
         placed, held = await self.worker.aengine.call(place)
         copied = len(placed)
         for h in placed:
             self._promoted[h] = signal
         deadline = self._clock() + (self.hold_s or 0.0)
+        extra = []  # pinned twice by two prefetches of the same chain landing together
         for h, bid in held:
-            self._holds[h] = (bid, deadline)
+            if h in self._holds:
+                extra.append(bid)
+            else:
+                self._holds[h] = (bid, deadline)
+        if extra:
+            await self.worker.aengine.call(lambda e: e.block_manager.release(extra))
         if len(chain) > copied:  # no room in the paged cache: fetched for nothing
             PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc(len(chain) - copied)
 
@@ -255,3 +262,13 @@ class BlockPrefetcher:
                 self.rejected += 1
                 log.warning("KV block %s rejected (%s): the request will recompute it", h.hex()[:12], exc)
         return out
+
+
+async def answer_prepare(prefetcher: BlockPrefetcher, request: worker_pb2.PrepareRequest,
+                         context: grpc.aio.ServicerContext, default_signal: str) -> worker_pb2.PrepareResponse:
+    """The Prepare rpc of either worker kind: start the prefetch, say what is local already."""
+    try:
+        local, fetching = prefetcher.prefetch(list(request.block_hashes), request.signal or default_signal)
+    except ValueError as err:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    return worker_pb2.PrepareResponse(blocks_local=local, blocks_fetching=fetching)

@@ -27,7 +27,7 @@ import logging
 import grpc
 import torch
 
-from pdserve.block_prefetch import PREFILL_BLOCKS, BlockPrefetcher
+from pdserve.block_prefetch import PREFILL_BLOCKS, BlockPrefetcher, answer_prepare
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
@@ -67,12 +67,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prepare(self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrepareResponse:
-        self.prefetcher.sweep_evicted()
-        try:
-            local, fetching = self.prefetcher.prefetch(list(request.block_hashes), request.signal or "session")
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        return worker_pb2.PrepareResponse(blocks_local=local, blocks_fetching=fetching)
+        return await answer_prepare(self.prefetcher, request, context, "session")
 
     @abort_on(WORKER_ERROR_CODES)
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -141,7 +136,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         flight for them is awaited instead of fetching twice)."""
         if not hashes:
             return {}
-        self.prefetcher.sweep_evicted()
         # A racy read of the engine's cache, but only to save transfers: the engine re-checks.
         blocks = await self.prefetcher.gather(rid, hashes)
         return _leading(hashes, blocks, self.worker.engine.block_manager)

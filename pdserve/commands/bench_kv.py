@@ -227,15 +227,6 @@ def bench_sessions(args: argparse.Namespace) -> dict:
             "worker_blocks": args.worker_blocks, "memory_tier_mb": args.memory_mb, "kv_backend": "redis", **arms}
 
 
-def scrape_counter(port: int, name: str) -> dict[str, float]:
-    """{label value: count} of a one-label counter on a child's /metrics."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(rf'^{name}_total{{\w+="([^"]*)"}} ([0-9.e+]+)$', text, re.M)}
-
-
 def think_times(args: argparse.Namespace, rng: random.Random) -> Callable[[], float]:
     """One session's think-time generator (see --think-model)."""
     if args.think_model == "exponential":
@@ -259,29 +250,31 @@ def story_text(tok, rng: random.Random, tokens: int) -> str:
 LOCAL_SOURCES = ("resident", "session", "hot", "dispatch")  # already on the worker when the request came
 
 
-def scrape_sources(ports: list[int], name: str) -> dict[str, float]:
-    """pdserve_{prefill,decode}_blocks_total{source} summed over the workers on `ports`."""
-    total: dict[str, float] = {}
-    for port in ports:
-        for k, v in scrape_counter(port, name).items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def scrape_prefetch(ports: list[int]) -> dict[str, float]:
-    """pdserve_prefetch_blocks_total as {"<signal>_<outcome>": blocks} summed over `ports`."""
-    import re
+def scrape_counters(ports: list[int]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter sample of the workers on `ports`, summed: {(name, sorted labels): value}."""
     import urllib.request
 
-    total: dict[str, float] = {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for port in ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        for m in re.finditer(r'^pdserve_prefetch_blocks_total{(\w+)="([^"]*)",(\w+)="([^"]*)"} ([0-9.e+]+)$',
-                             text, re.M):
-            labels = {m[1]: m[2], m[3]: m[4]}
-            key = f"{labels['signal']}_{labels['outcome']}"
-            total[key] = total.get(key, 0) + float(m[5])
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    total[key] = total.get(key, 0) + sample.value
     return total
+
+
+def counter_delta(before: dict, after: dict, name: str, key: Callable[[dict[str, str]], str]) -> dict[str, float]:
+    """Counter `name`'s growth between two scrapes, by `key(labels)`."""
+    out: dict[str, float] = {}
+    for (sample, labels), value in after.items():
+        if sample == name:
+            k = key(dict(labels))
+            out[k] = out.get(k, 0) + value - before.get((sample, labels), 0)
+    return out
 
 
 def _free_port_run(n: int) -> int:
@@ -315,8 +308,7 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
     try:
         stub = stack.gateway_stub()
         timed_generate(stub, "warm up", 2)
-        before = {kind: scrape_sources(ports[kind], f"pdserve_{kind}_blocks") for kind in ports}
-        prefetch_before = {kind: scrape_prefetch(ports[kind]) for kind in ports}
+        before = {kind: scrape_counters(ports[kind]) for kind in ports}
         openings = ["Once upon a time", "The little dog", "Lily and Tom", "A big red boat", "The sun was hot"]
         lines = ["and then they played.", "Tom said hello.", "The cat ran away.", "They were happy."]
 
@@ -349,10 +341,11 @@ def _run_sessions(args: argparse.Namespace, redis_url: str, model: str | None) -
             runs = [t for conv in pool.map(conversation, range(args.sessions)) for t in conv]
         seconds = time.perf_counter() - start
         time.sleep(0.2)
-        src = {kind: {k: v - before[kind].get(k, 0) for k, v in scrape_sources(ports[kind], f"pdserve_{kind}_blocks").items()}
+        after = {kind: scrape_counters(ports[kind]) for kind in ports}
+        src = {kind: counter_delta(before[kind], after[kind], f"pdserve_{kind}_blocks_total", lambda lb: lb["source"])
                for kind in ports}
-        prefetch = {kind: {k: v - prefetch_before[kind].get(k, 0) for k, v in scrape_prefetch(ports[kind]).items()}
-                    for kind in ports}
+        prefetch = {kind: counter_delta(before[kind], after[kind], "pdserve_prefetch_blocks_total",
+                                        lambda lb: f"{lb['signal']}_{lb['outcome']}") for kind in ports}
         needed = sum(src["decode"].values())
         there = sum(src["decode"].get(k, 0) for k in LOCAL_SOURCES)
         prefill_reused = sum(src["prefill"].values())

@@ -114,19 +114,21 @@ class Scheduler:
         for seq in self.waiting:
             if seq is head or not seq.block_table:
                 continue
-            self.blocks.free(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
-            seq.block_hashes = []
+            self._drop_blocks(seq)
             released = True
         return released
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """`seq` gives its blocks back and starts over (what it had cached is found again by hash)."""
+        self.blocks.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.block_hashes = []
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         out.decodes = [s for s in out.decodes if s.seq is not seq]
         out.prefills = [s for s in out.prefills if s.seq is not seq]
-        self.blocks.free(seq)
-        seq.num_computed_tokens = 0
-        seq.block_hashes = []
+        self._drop_blocks(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
