@@ -90,9 +90,6 @@ def make_engine() -> Iterator[EngineFactory]:
             assert bm.num_free_blocks == bm.num_blocks, "idle engine still holds referenced blocks"
 
 
-GPU_TESTS = Path(__file__).parent / "gpu"
-
-
 def _gpu_missing() -> str | None:
     """Why tests/gpu cannot run here, or None when they can."""
     if not torch.cuda.is_available():
@@ -102,11 +99,9 @@ def _gpu_missing() -> str | None:
     return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test under tests/gpu is skipped, with the reason shown, where there is no GPU."""
+def require_gpu() -> None:
+    """Called at the top of each tests/gpu module, before it imports the kernels (which need
+    cupy): skips the whole module, with the reason shown, where there is no GPU."""
     reason = _gpu_missing()
-    if reason is None:
-        return
-    for item in items:
-        if GPU_TESTS in item.path.parents:
-            item.add_marker(pytest.mark.skip(reason=reason))
+    if reason is not None:
+        pytest.skip(reason, allow_module_level=True)

@@ -23,7 +23,11 @@ import math
 import pytest
 import torch
 
-from pdserve.runtime.kernels import cuda_ops, torch_ops, torch_varlen
+from conftest import require_gpu
+
+require_gpu()
+
+from pdserve.runtime.kernels import cuda_ops, torch_ops, torch_varlen  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

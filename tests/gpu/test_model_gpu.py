@@ -10,13 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import STORIES_GGUF, model_config_from_hf, random_hf_model
+from conftest import STORIES_GGUF, model_config_from_hf, random_hf_model, require_gpu
 
-from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.runtime.engine import Engine
-from pdserve.runtime.kernels import cuda_ops
-from pdserve.runtime.loader import load_checkpoint
-from pdserve.runtime.sampling_params import SamplingParams
+require_gpu()
+
+from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.runtime.engine import Engine  # noqa: E402
+from pdserve.runtime.kernels import cuda_ops  # noqa: E402
+from pdserve.runtime.loader import load_checkpoint  # noqa: E402
+from pdserve.runtime.sampling_params import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park and"]

@@ -13,9 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.quant.linear import QuantLinear
-from pdserve.quant.packing import pack_rows
-from pdserve.runtime.kernels import cuda_ops, cuda_quant, kv_quant, torch_ops
+from conftest import require_gpu
+
+require_gpu()
+
+from pdserve.quant.linear import QuantLinear  # noqa: E402
+from pdserve.quant.packing import pack_rows  # noqa: E402
+from pdserve.runtime.kernels import cuda_ops, cuda_quant, kv_quant, torch_ops  # noqa: E402
 
 DEV = torch.device("cuda")
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 3e-2)}
