@@ -4,7 +4,8 @@ Prepare(hint) starts moving KV that already exists (see pdserve.block_prefetch f
 Decode(request): gather the prompt's blocks (paged cache here, prefetched, or fetched now), hand
 them to the engine, which shares or copies them into its paged cache (or recomputes the prompt
 when a block is missing or corrupt), unpin the request's blocks in the KV store, then stream the
-tokens of the continuous batch. A cancelled call aborts the sequence, which frees its blocks.
+tokens of the continuous batch. A cancelled call aborts the sequence, which frees its blocks, and
+ends the request's kvstore lease (`RequestLease`: once, after a fetch still in flight under it).
 
 Decode with `local_prefill` prefills here instead: the worker hashes the prompt's full blocks,
 takes the leading ones it finds (paged cache, kvstore), computes the rest, and the first chunk
@@ -38,7 +39,7 @@ from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.kv_transfer import resident_hashes
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import WORKER_ERROR_CODES, Worker
+from pdserve.worker_common import WORKER_ERROR_CODES, RequestLease, Worker
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
 log = logging.getLogger(__name__)
@@ -77,9 +78,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             hashes = list(request.block_hashes)
             tokens = prompt + [request.first_token]
         writer = BlockWriteBack(self.worker, rid, tokens, self._spawn) if self.write_back else None
+        lease = RequestLease(self.worker, rid)  # ended once: when the KV is in our cache, or on leaving
         imported = False
         try:
-            blocks = await self.prefetcher.gather(rid, hashes)
+            blocks = await lease.run(self.prefetcher.gather(rid, hashes))
             if request.local_prefill:
                 add = lambda e: e.add_with_prefix(rid, prompt, params, blocks,  # noqa: E731
                                                   resumed_tokens=request.resumed_tokens)
@@ -88,7 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             async for outs in self.worker.aengine.generate(rid, add):
                 if not imported:
                     imported = True
-                    self._spawn(self._release(rid, drop=False))  # the KV is in our cache now
+                    lease.end(drop=False)  # the KV is in our cache now
                 new_tokens = [t for o in outs for t in o.new_token_ids]
                 if writer is not None:
                     writer.extend(new_tokens)
@@ -97,8 +99,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                              finish_reason=outs[-1].finish_reason,
                                              cached_tokens=outs[0].cached_tokens if request.local_prefill else 0)
         finally:
-            if not imported:
-                self._spawn(self._release(rid, drop=True))
+            lease.end(drop=True)  # a no-op once imported
 
     def _prefix_hashes(self, prompt: list[int]) -> list[bytes]:
         """Hashes of the prompt's full blocks that may be reused (the block of its last token is
@@ -107,12 +108,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         usable = (len(prompt) - 1) // spec.block_size
         return prompt_block_hashes(prompt, spec.block_size, spec.fingerprint,
                                    self.worker.engine.block_manager.kv_dtype)[:usable]
-
-    async def _release(self, rid: str, drop: bool) -> None:
-        try:
-            await self.worker.kv.release(rid, drop=drop)
-        except Exception as exc:  # noqa: BLE001 - the lease expires by itself in the store
-            self.worker.kv_outage.failed(f"release of {rid}", exc)
 
     async def _report_residency_forever(self, interval_s: float) -> None:
         reported: set[bytes] | None = None  # None: the kvstore needs a full report

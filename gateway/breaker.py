@@ -11,7 +11,10 @@ would otherwise keep taking a share of the traffic and failing it.
 
 Cooldowns carry jitter (x uniform(1-j, 1+j)) so that gateways which saw the same failure do not
 all send their trial at the same instant. A trial that never reports (its client went away) is
-given up after `trial_timeout_s` and another call may try. Outcomes come from the RPCs to the
+given up after `trial_timeout_s` and another call may try. A worker whose health checks failed
+and pass again (restarted, or back from a hang) gets a closed breaker (`reset`): otherwise its
+single half-open trial, a long decode stream, would keep every other call from the one worker
+left when the other dies. Outcomes come from the RPCs to the
 worker (`gateway.worker_calls`): UNAVAILABLE, INTERNAL and UNKNOWN are failures; a refusal the
 caller caused (INVALID_ARGUMENT, CANCELLED, DEADLINE_EXCEEDED) or a busy worker
 (RESOURCE_EXHAUSTED: admission control handles overload) says nothing about the worker's health.
@@ -108,6 +111,13 @@ class CircuitBreaker:
             self._success()
         elif code in FAILURE_CODES:
             self._failure()
+
+    def reset(self) -> None:
+        """Closed, as new: for a worker back from the dead (its health checks failed, then passed
+        again), whose failed calls were its death and say nothing about the process serving now."""
+        self.state, self.opened_count, self._trial_at = State.CLOSED, 0, None
+        self._consecutive = 0
+        self._recent.clear()
 
     def seconds_until_trial(self) -> float:
         """How long until this breaker lets a call through (0 when it does now)."""

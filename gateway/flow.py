@@ -1,7 +1,10 @@
 """The path of one request through the gateway, step by step (`RequestFlow.run`).
 
     GenerationRequest (service.py made it from the proto: text or chat messages, SamplingParams)
-     1. tokenize: the prompt, or the chat rendered by the model's template     -> prompt_ids
+     0. (the edge: service.py / http) the client's request_id held per API key, ALREADY_EXISTS
+        when in flight (request_ids); `request_id` here is the gateway's own, unique
+     1. tokenize: the prompt's length in characters checked first, then the prompt, or the chat
+        rendered by the model's template, off the event loop when long (prompts) -> prompt_ids
      2. validate: prompt not empty, prompt + max_tokens within the context window, the
                   gateway's request limits (request_limits.RequestLimits: max_tokens, stop
                   strings, messages, prompt tokens; SamplingParams validated its own fields
@@ -25,12 +28,15 @@
         local_prefill when step 7 did not prefill: its first chunk then carries the first token.
         Each chunk of tokens is detokenized and emitted; a stop string closes the stream, which
         cancels the call so the worker aborts the sequence and frees its KV. A decode worker lost
-        mid-stream (UNAVAILABLE) is replaced: another one resumes with local prefill of the prompt
+        mid-stream (UNAVAILABLE: it died, its health checks failed, or it sent nothing for
+        --decode-stall-timeout-s) is replaced: another one resumes with local prefill of the prompt
         + every token delivered (resume.StreamProgress), at most MAX_RESUMES times; the client sees
-        each token once, in order                                  UNAVAILABLE when out of resumes
+        each token once, in order. One worker's loss is one retry of the budget however many
+        streams it had (gateway.workers)                           UNAVAILABLE when out of resumes
     10. the last chunk carries the finish reason and the Usage
 
-Every downstream call gets the client's remaining time as its timeout. A client cancel cancels
+Every downstream call gets the client's remaining time as its timeout (an HTTP request's is
+--http-timeout-s, gateway.deadlines). A client cancel cancels
 the task running this generator, which cancels the call in progress. Work owned by nobody is
 released here: the kvstore lease of a request that never reaches a decode worker (or whose
 decode worker failed, or whose client went away) is ended in the background.
@@ -56,11 +62,12 @@ import grpc
 
 from gateway import observe, worker_calls
 from gateway.background import spawn
+from gateway.deadlines import Deadlines
 from gateway.limits import InflightLimit
 from gateway.metrics import PREFIX_CACHE_HIT_TOKENS, PROMPT_TOKENS
 from gateway.output import OutputAssembler, OutputChunk
 from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
-from gateway.prompts import check_fits, tokenize_chat, tokenize_prompt
+from gateway.prompts import check_fits, encode_off_loop, prompt_chars
 from gateway.request_limits import RequestLimits
 from gateway.sessions import HotPrefixes, SessionTracker
 from gateway.resume import StreamProgress
@@ -93,11 +100,17 @@ class ModelInfo:
 class GenerationRequest:
     """A Generate (`prompt`) or Chat (`messages`) request, protobuf-free."""
 
-    request_id: str
+    request_id: str  # the gateway's own, unique: names the request downstream (gateway.request_ids)
     sampling: SamplingParams
     prompt: str = ""
     messages: tuple[Mapping[str, str], ...] | None = None  # a chat when not None
     session_id: str = ""
+    client_request_id: str = ""  # the client's id, if it sent one: echoed back, never sent downstream
+
+    @property
+    def public_id(self) -> str:
+        """The id the client sees in responses: its own, else the gateway's."""
+        return self.client_request_id or self.request_id
 
 
 class RequestFlow:
@@ -107,10 +120,11 @@ class RequestFlow:
                  kvstore: KVStoreClient | None, limit: InflightLimit,
                  sessions: SessionTracker | None = None, hot: HotPrefixes | None = None,
                  placement: PrefillPlacement | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, deadlines: Deadlines | None = None) -> None:
         self.model = model
         self.placement = placement or AlwaysRemote()
         self.limits = limits or RequestLimits()
+        self.deadlines = deadlines or Deadlines()
         self.prefill_pool = prefill
         self.decode_pool = decode
         self.kvstore = kvstore
@@ -123,14 +137,12 @@ class RequestFlow:
         self.hot = hot or (HotPrefixes(min_requests=hot_min) if hot_min > 0 else None)
         self._session_task: asyncio.Task | None = None
 
-    def tokenize(self, request: GenerationRequest) -> list[int]:
-        """Steps 1-2: validated prompt ids; ValueError with an actionable message."""
-        tok = self.model.tokenizer
+    async def tokenize(self, request: GenerationRequest) -> list[int]:
+        """Steps 1-2: validated prompt ids; ValueError with an actionable message. The length in
+        characters is checked first; a long prompt is tokenized off the event loop (gateway.prompts)."""
+        self.limits.check_chars(prompt_chars(request.prompt, request.messages), self.model.context_window)
         self.limits.check_request(request)
-        if request.messages is None:
-            ids = tokenize_prompt(tok, request.prompt)
-        else:
-            ids = tokenize_chat(tok, request.messages)
+        ids = await encode_off_loop(self.model.tokenizer, request.prompt, request.messages)
         check_fits(ids, request.sampling, self.model.context_window)
         self.limits.check_tokens(ids, request.sampling)
         return ids
@@ -138,7 +150,7 @@ class RequestFlow:
     async def run(self, request: GenerationRequest, time_remaining: TimeRemaining
                   ) -> AsyncIterator[OutputChunk]:
         """Stream the request's output chunks; the last has finish_reason and usage."""
-        prompt_ids = self.tokenize(request)
+        prompt_ids = await self.tokenize(request)
         with self.limit.admit(len(prompt_ids)) as admitted:  # SLO-aware when on (gateway.admission)
             async for chunk in self._generate(request, prompt_ids, time_remaining):
                 admitted.first_token()  # what admission learns from; only the first call counts
@@ -277,7 +289,7 @@ class RequestFlow:
         failed: list[WorkerEndpoint] = []
         while len(failed) < 2:
             try:
-                ep = self.prefill_pool.pick(exclude=failed, home=home)
+                ep = self.prefill_pool.pick(exclude=failed, home=home, cause=failed[-1] if failed else None)
             except ServiceError as err:
                 log.info("%s: no prefill worker to try (%s); prefilling on the decode worker", rid, err)
                 return None
@@ -310,13 +322,14 @@ class RequestFlow:
         """Step 9: the decode worker's chunks (from the first token when `prefilled` is None). A worker
         lost mid-stream (UNAVAILABLE) is replaced by another that resumes where the client is
         (gateway.resume), at most MAX_RESUMES times; closing this generator cancels the call."""
+        stall_s = self.deadlines.stall_s
         prompt_ids, sampling, resumed = progress.prompt_ids, progress.sampling, 0
         while True:
             progress.worker = ep.address
             try:
                 with ep.track():
                     stream = worker_calls.decode(ep, rid, prompt_ids, sampling, _timeout(time_remaining),
-                                                 prefilled, resumed)
+                                                 prefilled, resumed, stall_s)
                     async with aclosing(stream):
                         async for part in stream:
                             yield part
@@ -329,19 +342,20 @@ class RequestFlow:
                 point = progress.resume_point()
                 if point is None:
                     return
-                ep = self._resume_worker(rid, progress, blocks_needed, err)
+                ep = self._resume_worker(rid, progress, blocks_needed, ep, err)
                 prompt_ids, sampling, resumed, prefilled = point.prompt_ids, point.sampling, point.resumed_tokens, None
 
-    def _resume_worker(self, rid: str, progress: StreamProgress, blocks_needed: int,
+    def _resume_worker(self, rid: str, progress: StreamProgress, blocks_needed: int, lost: WorkerEndpoint,
                        err: ServiceError) -> WorkerEndpoint:
-        """The decode worker to resume `rid` on; UNAVAILABLE (naming the failure) when none may."""
+        """The decode worker to resume `rid` on after losing `lost`; UNAVAILABLE (naming the
+        failure) when none may. A worker lost before is a candidate again once its health checks
+        pass (it was restarted): only workers marked down are out."""
         if not progress.may_resume():
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{rid} lost {len(progress.lost)} decode workers mid-stream"
                                f" ({', '.join(progress.lost)}); not resuming again: {err}")
-        exclude = [ep for ep in self.decode_pool.endpoints if ep.address in progress.lost]
         try:
-            ep = self.decode_pool.pick_decode(blocks_needed, {}, exclude=exclude)
+            ep = self.decode_pool.pick_decode(blocks_needed, {}, exclude=[lost], cause=lost)
         except ServiceError as pick_err:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{err}; cannot resume: {pick_err}") from None
         log.warning("resuming %s on decode worker %s after %d tokens: %s", rid, ep.address,

@@ -1,7 +1,10 @@
 """Bounded admission: at most `max_inflight` requests run through the gateway at once.
 
 Past the limit a request is refused at once with RESOURCE_EXHAUSTED (the client backs off or
-tries another gateway) instead of queueing without bound in the gateway's memory. This is the
+tries another gateway) instead of queueing without bound in the gateway's memory. The refusal
+carries a retry hint of `RETRY_AFTER_S`: gRPC trailing metadata "retry-after" (whole seconds) and
+"grpc-retry-pushback-ms" (what gRPC's own retry policy honours), HTTP's Retry-After header
+(`pdserve.grpc_server.abort_on`, `gateway.http.errors`). This is the
 hard cap; `gateway.admission.SloAdmission` adds the SLO-aware refusal on top of it.
 
 `admit(prompt_tokens)` yields an `Admitted` ticket; the flow calls `ticket.first_token()` when the
@@ -16,6 +19,10 @@ from contextlib import contextmanager
 import grpc
 
 from pdserve.grpc_server import ServiceError
+
+# When to retry after an in-flight refusal. A slot frees when some running stream ends, which the
+# gateway cannot predict; one second is the usual back-off base (HTTP 429's default here too).
+RETRY_AFTER_S = 1.0
 
 
 class Admitted:
@@ -46,7 +53,7 @@ class InflightLimit:
         if self.inflight >= self.max_inflight:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"gateway is at its limit of {self.max_inflight} requests in flight "
-                               "(--max-inflight); retry later")
+                               "(--max-inflight); retry later", retry_after_s=RETRY_AFTER_S)
         self.inflight += 1
         try:
             yield

@@ -8,6 +8,14 @@ server, aiohttp's `client_max_size` on the HTTP API; they also bound the tokeniz
 A request over a limit fails INVALID_ARGUMENT (HTTP 400) with the limit and its flag named; a
 gRPC message over --max-request-bytes fails RESOURCE_EXHAUSTED (gRPC's own check), an HTTP body
 over it 413.
+
+Checked before any work, in this order: the ids a client chooses (request_id, session_id; the
+gateway keeps them in memory and in spans), the prompt's length in characters (tokenizing is the
+gateway's own work, about 3 us a character: the limit is min(--max-prompt-tokens, the context
+window) x --max-chars-per-token, generous for any real text), then stop strings and messages;
+prompt tokens after tokenizing. The HTTP API also bounds how long a client may take to send a
+request's head (--http-header-timeout-s: a slow-header connection is closed) and its body
+(--http-body-timeout-s: 408).
 """
 
 from __future__ import annotations
@@ -32,11 +40,35 @@ class RequestLimits:
     max_stop_chars: int = 256  # characters of each stop string
     max_messages: int = 1024  # messages of a chat
     max_request_bytes: int = 8 << 20  # one gRPC request message / one HTTP request body
+    max_chars_per_token: int = 16  # prompt characters allowed per prompt token before tokenizing
+    max_id_chars: int = 256  # characters of a client's request_id and session_id (HTTP: X-Request-Id, user)
+    http_header_timeout_s: int = 10  # seconds a connection may take to send a request's head
+    http_body_timeout_s: int = 60  # seconds a request may take to send its body
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) < 1:
                 raise ValueError(f"--{_flag(f.name)} must be >= 1, got {getattr(self, f.name)}")
+
+    def check_ids(self, request: GenerationRequest) -> None:
+        """ValueError naming the limit when a client-chosen id is too long (checked first of all:
+        ids are kept in memory, in the session table and in spans)."""
+        for field_name, value in (("request_id", request.client_request_id), ("session_id", request.session_id)):
+            if len(value) > self.max_id_chars:
+                alias = " (HTTP: X-Request-Id)" if field_name == "request_id" else " (HTTP: user)"
+                raise ValueError(f"{field_name}{alias} has {len(value)} characters, over this gateway's limit of "
+                                 f"{self.max_id_chars} (--max-id-chars); use a shorter id")
+
+    def check_chars(self, prompt_chars: int, context_window: int) -> None:
+        """ValueError when a prompt of `prompt_chars` characters cannot fit in the token limit at
+        --max-chars-per-token: refused before the tokenizer spends time on it."""
+        tokens = min(self.max_prompt_tokens, context_window)
+        limit = tokens * self.max_chars_per_token
+        if prompt_chars > limit:
+            raise ValueError(f"the prompt has {prompt_chars} characters, over this gateway's limit of {limit} "
+                             f"({tokens} tokens, the smaller of --max-prompt-tokens and the model's context "
+                             f"window, x {self.max_chars_per_token} characters per token, "
+                             "--max-chars-per-token); shorten it")
 
     def check_request(self, request: GenerationRequest) -> None:
         """ValueError naming the limit when the request's stop strings or chat messages exceed one
@@ -76,6 +108,12 @@ _HELP = {
     "max_messages": "most messages per chat request",
     "max_request_bytes": "largest gRPC request message and HTTP request body (bigger: "
                          "RESOURCE_EXHAUSTED / HTTP 413)",
+    "max_chars_per_token": "prompt characters allowed per token of the prompt limit, checked before "
+                           "tokenizing (limit: min(--max-prompt-tokens, context window) x this)",
+    "max_id_chars": "most characters of a client's request_id / session_id (HTTP: X-Request-Id / user)",
+    "http_header_timeout_s": "seconds an HTTP connection may take to send a request's head (or stay "
+                             "idle between requests) before it is closed",
+    "http_body_timeout_s": "seconds an HTTP request may take to send its body (then 408)",
 }
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.v1.Gateway"
-DEFAULT_BIND = "0.0.0.0:50051"
+DEFAULT_BIND = "127.0.0.1:50051"  # loopback unless told otherwise (compose passes 0.0.0.0)
 DEFAULT_HTTP_PORT = 8000
 KVSTORE_TIMEOUT_S = 0.5  # the kvstore only gives hints here; never hold a request up for long
 
@@ -108,13 +108,14 @@ async def start_deployment(name: str, model_path: str | None, block_size: int, k
 def build_flow(model: ModelInfo, prefill: WorkerPool, decode: WorkerPool, kvstore: KVStoreClient | None,
                limit: InflightLimit) -> RequestFlow:
     """The request flow of one deployment (the one place a RequestFlow is built)."""
-    from gateway import disagg, request_limits
+    from gateway import deadlines, disagg, request_limits
     from gateway.admission import admission_for
     from gateway.flow import RequestFlow
 
     admission = admission_for(limit, prefill.routable_count)  # SLO-aware under the cap when on
     return RequestFlow(model=model, prefill=prefill, decode=decode, kvstore=kvstore, limit=admission,
-                       limits=request_limits.current(), placement=disagg.new_placement())
+                       limits=request_limits.current(), placement=disagg.new_placement(),
+                       deadlines=deadlines.current())
 
 
 async def serve_catalog(bind: str, catalog: Catalog, *, http_bind: str | None = None
@@ -164,7 +165,7 @@ def http_bind_of(grpc_bind: str, http_port: int) -> str | None:
     """The HTTP API's "host:port": the gRPC bind's host with `http_port`; None when the port is 0."""
     if http_port == 0:
         return None
-    host = grpc_bind.rpartition(":")[0] or "0.0.0.0"
+    host = grpc_bind.rpartition(":")[0] or "127.0.0.1"
     return f"{host}:{http_port}"
 
 
@@ -237,10 +238,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(HTTP 429) and a retry-after hint (default: $PDSERVE_ADMISSION_TTFT_SLO_MS, "
                              "else 0 = off; docs/overload.md)")
     parser.add_argument("--log-level", default="INFO")
-    from gateway import auth, disagg, request_limits
+    from gateway import auth, deadlines, disagg, request_limits
 
     auth.add_arguments(parser)
     request_limits.add_arguments(parser)
+    deadlines.add_arguments(parser)  # --decode-stall-timeout-s, --http-timeout-s (docs/reliability.md)
     disagg.add_arguments(parser)  # --disagg-policy and its thresholds (docs/disaggregation.md)
 
 
@@ -249,9 +251,10 @@ async def run_until_signal(args: argparse.Namespace) -> None:
     if not 0 <= args.http_port < 65536:
         raise ValueError(f"--http-port must be in 0..65535 (0 disables the HTTP API), got {args.http_port}")
     http_bind = http_bind_of(args.bind, args.http_port)
-    from gateway import auth, disagg, request_limits
+    from gateway import auth, deadlines, disagg, request_limits
 
     request_limits.use(request_limits.limits_from_args(args))  # the flags, read once at start
+    deadlines.use(deadlines.from_args(args))
     disagg.use_args(args)  # the prefill placement policy every deployment's flow gets
     auth.use(auth.keyring_from_args(args))
     if args.admission_ttft_slo_ms is not None:  # read by gateway.admission.admission_for

@@ -10,6 +10,10 @@ ValueError (bad prompt or sampling values) -> INVALID_ARGUMENT, `ServiceError` -
 Each stream runs inside `observe.observe_request`: request metrics (TTFT, TPOT, e2e, status, in
 flight), the "gateway.request" span when tracing is on, and the TTFT feed of the SLO monitor
 (`gateway.slo`), which a background tick re-evaluates every second so a quiet gateway recovers.
+
+Request ids (`gateway.request_ids`): every request runs under a gateway-unique id; a client's
+request_id (at most --max-id-chars, as session_id) is echoed in every chunk and held per API key
+while it runs, so a second call with it gets ALREADY_EXISTS at once.
 """
 
 from __future__ import annotations
@@ -18,21 +22,23 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
+from gateway import request_limits
 from gateway.convert import logprob_to_proto, sampling_from_proto
 from gateway.deployments import Catalog, as_catalog
 from gateway.experiments.report import ArmReport
 from gateway.flow import GenerationRequest, RequestFlow
 from gateway.observe import observe_request
 from gateway.output import OutputChunk
+from gateway.request_ids import IDS, RequestIds, new_id, tenant_of
 from gateway.slo import SloMonitor
 from pdserve import log_privacy
 from pdserve.grpc_server import abort_on
+from pdserve.interceptors import metadata_value
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -41,13 +47,19 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
 def generation_request(msg: gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest) -> GenerationRequest:
-    """The protobuf-free request; ValueError on bad sampling values. Generates a request id if empty."""
-    request_id = msg.request_id or uuid.uuid4().hex
+    """The protobuf-free request under a new gateway id (the client's kept as client_request_id);
+    ValueError on bad sampling values."""
     sampling = sampling_from_proto(msg.sampling)
+    ids = {"session_id": msg.session_id, "client_request_id": msg.request_id}
     if isinstance(msg, gateway_pb2.ChatRequest):
         messages = tuple({"role": m.role, "content": m.content} for m in msg.messages)
-        return GenerationRequest(request_id, sampling, messages=messages, session_id=msg.session_id)
-    return GenerationRequest(request_id, sampling, prompt=msg.prompt, session_id=msg.session_id)
+        return GenerationRequest(new_id(), sampling, messages=messages, **ids)
+    return GenerationRequest(new_id(), sampling, prompt=msg.prompt, **ids)
+
+
+def tenant_of_call(context: grpc.aio.ServicerContext) -> str:
+    """The call's tenant (its API key; "" without one): the scope of its request ids."""
+    return tenant_of(metadata_value(context.invocation_metadata(), "authorization"))
 
 
 def response_of(request_id: str, chunk: OutputChunk, deployment: str = "") -> gateway_pb2.GenerateResponse:
@@ -70,8 +82,11 @@ def arm_report_to_proto(row: ArmReport) -> gateway_pb2.ArmReport:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and Chat by routing each request (`Catalog`) through a deployment's RequestFlow."""
 
-    def __init__(self, catalog: Catalog | RequestFlow, slo: SloMonitor | None = None) -> None:
+    def __init__(self, catalog: Catalog | RequestFlow, slo: SloMonitor | None = None,
+                 ids: RequestIds = IDS) -> None:
         catalog = self.catalog = as_catalog(catalog)  # a bare flow: one deployment, the default
+        self.limits = request_limits.current()  # the edge's: ids are checked before any routing
+        self.ids = ids
         pools = [d.flow.prefill_pool for d in catalog.deployments.values()]
         self.slo = slo or SloMonitor(replicas=lambda: sum(ep.healthy for p in pools for ep in p.endpoints))
         self._slo_task: asyncio.Task | None = None
@@ -93,7 +108,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        ) -> gateway_pb2.FeedbackResponse:
         if not request.request_id:
             raise ValueError("request_id is required: the request_id of the response being scored")
-        experiment, arm, reward = self.catalog.feedback(request.request_id, request.score)
+        gateway_id = self.ids.resolve(tenant_of_call(context), request.request_id)
+        experiment, arm, reward = self.catalog.feedback(gateway_id, request.score)
         if request.comment:
             log.info("feedback on %s (%s/%s) %g: %s", request.request_id, experiment, arm, request.score,
                      log_privacy.content(request.comment))  # user text: hidden unless PDSERVE_LOG_PROMPTS=1
@@ -108,12 +124,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _stream(self, request: GenerationRequest, context: grpc.aio.ServicerContext, model: str = ""
                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._start_slo_tick()
-        with observe_request(request.request_id, request.session_id, self.slo) as obs:
+        self.limits.check_ids(request)
+        with self.ids.claim(tenant_of_call(context), request), \
+                observe_request(request.public_id, request.session_id, self.slo) as obs:
             route = self.catalog.route(model, request)
             async with aclosing(self.catalog.run(route, request, context.time_remaining)) as stream:
                 async for chunk in stream:
                     obs.chunk(len(chunk.token_ids))
-                    yield response_of(request.request_id, chunk, route.deployment.name)
+                    yield response_of(request.public_id, chunk, route.deployment.name)
 
     def _start_slo_tick(self) -> None:
         if self._slo_task is None or self._slo_task.done():

@@ -13,7 +13,10 @@ worker, which pull the blocks (promoting them from Redis to the kvstore's memory
 their paged caches: the next turn's prefill then computes only the new tokens, without waiting for
 its history to move (that wait is on the TTFT), and its decode finds the history resident. A session
 that stays quiet for `give_up_factor` think times is given up (no more prefetches until it
-speaks again); one idle for `forget_after_s` is forgotten.
+speaks again); one idle for `forget_after_s` is forgotten. Memory is bounded whatever clients
+send: at most `max_sessions` sessions and `max_blocks` block hashes over all of them (a session
+holds its whole history's hashes: up to context window / block size), the least recently active
+dropped first; session ids are at most --max-id-chars (checked at the edge).
 
 Counting: a prediction that had not fired when the turn arrived counts its blocks as
 outcome="late" here; blocks actually fetched are counted by the decode worker (hit when a Decode
@@ -80,7 +83,7 @@ class SessionTracker:
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, alpha: float = 0.3,
                  lead_s: float = 0.5, lead_fraction: float = 0.2, deviation_factor: float = 3.0,
                  give_up_factor: float = 3.0, forget_after_s: float = 600.0,
-                 max_sessions: int = 100_000) -> None:
+                 max_sessions: int = 100_000, max_blocks: int = 1_000_000) -> None:
         self._clock = clock
         self.alpha = alpha  # weight of the newest gap in the EWMAs
         self.lead_s = lead_s  # the time the blocks take to land: always added to the margin
@@ -89,7 +92,9 @@ class SessionTracker:
         self.give_up_factor = give_up_factor
         self.forget_after_s = forget_after_s
         self.max_sessions = max_sessions
+        self.max_blocks = max_blocks  # ~50 MB of hashes
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently active first
+        self._blocks = 0  # block hashes held over all sessions
         # Every session's gaps: the prior for a session that has not shown one yet, so that its
         # second turn is predicted too (people think about as long as other people do).
         self._population = _Gaps()
@@ -124,9 +129,11 @@ class SessionTracker:
         s = self._sessions.get(session_id)
         if s is None:
             return
+        self._blocks += len(block_hashes) - len(s.block_hashes)
         s.worker, s.block_hashes = worker, tuple(block_hashes)
         s.prefill_worker = prefill_worker
         s.last_end, s.in_turn = self._clock(), False
+        self._trim()
 
     def predicted_arrival(self, session_id: str) -> float | None:
         s = self._sessions.get(session_id)
@@ -142,7 +149,7 @@ class SessionTracker:
         for sid in list(self._sessions):
             s = self._sessions[sid]
             if s.last_end is not None and now - s.last_end > self.forget_after_s and not s.in_turn:
-                del self._sessions[sid]
+                self._forget(sid)
                 continue
             gaps = self._gaps(s)
             if s.in_turn or s.prefetched or s.given_up or gaps is None or not s.block_hashes:
@@ -166,8 +173,11 @@ class SessionTracker:
         return self._population if self._population.mean is not None else None
 
     def _trim(self) -> None:
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        while self._sessions and (len(self._sessions) > self.max_sessions or self._blocks > self.max_blocks):
+            self._forget(next(iter(self._sessions)))
+
+    def _forget(self, session_id: str) -> None:
+        self._blocks -= len(self._sessions.pop(session_id).block_hashes)
 
 
 @dataclass(slots=True)

@@ -4,14 +4,20 @@ Failed calls raise `ServiceError` whose code is what the gateway's client should
 message names the worker, so the flow can re-raise it as is: UNAVAILABLE (the worker is gone or
 going away), RESOURCE_EXHAUSTED (its queue is full), INVALID_ARGUMENT (it refused the request),
 DEADLINE_EXCEEDED (the client's deadline ran out), CANCELLED; anything else becomes INTERNAL.
+
+A call is also given up, with UNAVAILABLE, when the health checker finds its worker unreachable
+while the gateway waits on it (gateway.workers: `WorkerEndpoint.watch`), and a decode stream
+when no message came for `stall_s` (gateway.deadlines): a hung worker's calls end as a dead
+worker's do, so the flow retries or resumes them elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -30,6 +36,7 @@ _PASSED_THROUGH = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
 }
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,21 @@ def worker_error(ep: WorkerEndpoint, err: grpc.aio.AioRpcError, what: str = "") 
     return ServiceError(code, f"{where}: {err.code().name}: {err.details() or 'no details'}")
 
 
+async def _watched(ep: WorkerEndpoint, wait: Awaitable[T], stall_s: float | None, what: str) -> T:
+    """`await wait` (a step of a call to `ep`), given up with UNAVAILABLE when the health checker
+    finds `ep` unreachable meanwhile, or after `stall_s` seconds (None: no bound); being given up
+    cancels the wait, and with it the call."""
+    try:
+        async with asyncio.timeout(stall_s) as timeout:
+            with ep.watch(timeout):
+                return await wait
+    except TimeoutError:
+        ep.record(grpc.StatusCode.UNAVAILABLE)  # a hung worker fails calls, for its breaker
+        why = (f"failed its health checks ({ep.unreachable})" if ep.unreachable
+               else f"sent nothing for {stall_s:g} s (--decode-stall-timeout-s)")
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{ep.kind} worker {ep.address} {what}: {why}") from None
+
+
 async def prefill(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
                   cached_blocks: int, timeout_s: float | None) -> PrefillResult:
     """Run Prefill on `ep`; cancelling the awaiting task cancels the call."""
@@ -78,7 +100,7 @@ async def prefill(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int]
                                         sampling=sampling_to_proto(sampling), cached_blocks=cached_blocks)
     call = ep.stub.Prefill(request, timeout=timeout_s)
     try:
-        reply = await call
+        reply = await _watched(ep, call, None, "during prefill")  # a long prompt takes long: no stall bound
     except grpc.aio.AioRpcError as err:
         raise worker_error(ep, err) from None
     finally:
@@ -104,12 +126,13 @@ def send_prepare(ep: WorkerEndpoint, request_id: str, block_hashes: Sequence[byt
 
 
 async def decode(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams,
-                 timeout_s: float | None, prefilled: PrefillResult | None = None, resumed_tokens: int = 0
-                 ) -> AsyncIterator[DecodedTokens]:
+                 timeout_s: float | None, prefilled: PrefillResult | None = None, resumed_tokens: int = 0,
+                 stall_s: float | None = None) -> AsyncIterator[DecodedTokens]:
     """Stream the tokens after `prefilled.first_token`, or, with `prefilled` None, prefill on the
     decode worker and stream from the first token (`resumed_tokens`: the prompt's last tokens
-    were generated before, by a worker that died). Closing the generator early cancels the call,
-    which makes the worker abort the sequence and free its KV."""
+    were generated before, by a worker that died). UNAVAILABLE when `ep` is found unreachable or
+    sends nothing for `stall_s` seconds. Closing the generator early cancels the call, which
+    makes the worker abort the sequence and free its KV."""
     request = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                        sampling=sampling_to_proto(sampling), resumed_tokens=resumed_tokens)
     if prefilled is None:
@@ -119,8 +142,9 @@ async def decode(ep: WorkerEndpoint, request_id: str, prompt_ids: Sequence[int],
         request.block_hashes.extend(prefilled.block_hashes)
     call = ep.stub.Decode(request, timeout=timeout_s)
     recorded = False
+    chunks = aiter(call)
     try:
-        async for chunk in call:
+        while (chunk := await _watched(ep, anext(chunks, None), stall_s, "during decode")) is not None:
             if chunk.finish_reason and not recorded:  # recorded now: the caller may close us at this chunk
                 ep.record(None)
                 recorded = True

@@ -15,8 +15,18 @@ calls made to it (`WorkerEndpoint.record`, from gateway.worker_calls): an endpoi
 when it is healthy and its breaker lets a call through; a pick of an endpoint whose breaker is
 half-open is its one trial call. Each pool also owns a retry budget (gateway.retry): a pick with
 a non-empty `exclude` is a retry of a failed call and is refused (UNAVAILABLE, naming the
-failures) when the budget is spent; `retry_allowed()` asks the budget directly for retries that
-do not go through `pick` (e.g. a resumed decode stream).
+failures) when the budget is spent; `retry_allowed()` asks the budget directly.
+
+The budget stops retry storms against workers that fail calls while they are up; it must not
+fail the streams of a worker that died. So a retry names its `cause`, the endpoint whose call
+failed, and is charged per *incident* of that endpoint (from the moment it is marked down until
+a probe finds it healthy again: `WorkerEndpoint.incident`): the first retry of an incident asks
+the budget and every later one gets the same answer, so a dead worker's N streams resuming are
+one retry, not N. A retry whose cause is known dead (its health checks failed, or its circuit
+breaker is open) is not charged at all: no new call reaches such a worker, so the retries it can
+cause are bounded by the calls it had in flight. Health checks that fail also give up the calls
+in flight to that worker (`WorkerEndpoint.watch`, used by gateway.worker_calls): a hung worker's
+streams are resumed elsewhere at once instead of waiting out the hang.
 """
 
 from __future__ import annotations
@@ -63,6 +73,9 @@ class WorkerEndpoint:
     free_blocks: int = 0
     total_blocks: int = 0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    incident: int = 0  # times it went from healthy to down (the retry budget charges one retry each)
+    unreachable: str = ""  # why its health checks failed ("" while they pass): calls to it are given up
+    _watches: set[asyncio.Timeout] = field(default_factory=set, repr=False)  # calls in flight, see `watch`
 
     @property
     def routable(self) -> bool:
@@ -80,6 +93,26 @@ class WorkerEndpoint:
                    code.name if code is not None else "OK")
 
     @contextmanager
+    def watch(self, timeout: asyncio.Timeout) -> Iterator[None]:
+        """While the block runs, expire `timeout` (an entered asyncio.timeout around an await on a
+        call to this worker) as soon as the health checker finds the worker unreachable."""
+        self._watches.add(timeout)
+        if self.unreachable:
+            _expire(timeout)
+        try:
+            yield
+        finally:
+            self._watches.discard(timeout)
+
+    def give_up_calls(self) -> int:
+        """Expire every watched wait on this worker (each caller sees TimeoutError and moves on);
+        how many."""
+        waits = list(self._watches)
+        for timeout in waits:
+            _expire(timeout)
+        return len(waits)
+
+    @contextmanager
     def track(self) -> Iterator[None]:
         """Count one request in flight on this worker for the duration of the block."""
         self.inflight += 1
@@ -92,6 +125,11 @@ class WorkerEndpoint:
         if not self.healthy:
             return f"{self.address} ({self.last_error})"
         return self.address if self.breaker.state is State.CLOSED else f"{self.address} ({self.breaker.describe()})"
+
+
+def _expire(timeout: asyncio.Timeout) -> None:
+    if not timeout.expired():  # rescheduling an expiring timeout raises
+        timeout.reschedule(asyncio.get_running_loop().time())
 
 
 class WorkerPool:
@@ -113,6 +151,7 @@ class WorkerPool:
         self._retiring: list[WorkerEndpoint] = []  # left the DNS answer; closed once idle
         self._resolve_errors: dict[str, str] = {}  # target -> why it did not resolve last time
         self._cursor = 0  # round-robin position for ties (see router)
+        self._charged: dict[str, tuple[int, bool]] = {}  # address -> (incident, retry verdict)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -129,21 +168,25 @@ class WorkerPool:
         self.endpoints.clear()
         self._retiring.clear()
 
-    def pick(self, exclude: Collection[WorkerEndpoint] = (), home: str = "") -> WorkerEndpoint:
+    def pick(self, exclude: Collection[WorkerEndpoint] = (), home: str = "",
+             cause: WorkerEndpoint | None = None) -> WorkerEndpoint:
         """The least-loaded routable endpoint not in `exclude` (`home`, a session's last worker,
         preferred while not much busier: router.pick_least_loaded); ServiceError UNAVAILABLE if
-        none, or if `exclude` is not empty (a retry) and the retry budget is spent."""
-        self._count_attempt(exclude)
+        none, or if `exclude` is not empty (a retry, after a failed call to `cause`) and the retry
+        budget refuses it (see the module docstring)."""
+        self._count_attempt(exclude, cause)
         candidates = [Candidate(ep.address, ep.routable and ep not in exclude, ep.inflight)
                       for ep in self.endpoints]
         home_index = next((i for i, ep in enumerate(self.endpoints) if home and ep.address == home), None)
         return self._chosen(pick_least_loaded(candidates, self._cursor, home_index))
 
     def pick_decode(self, blocks_needed: int, resident: Mapping[str, int], session_address: str = "",
-                    exclude: Collection[WorkerEndpoint] = ()) -> WorkerEndpoint:
+                    exclude: Collection[WorkerEndpoint] = (), cause: WorkerEndpoint | None = None
+                    ) -> WorkerEndpoint:
         """The KV-aware choice (router.pick_decode); `resident` maps worker ids to the prompt's
-        leading blocks in their paged cache, `session_address` is the session's last worker."""
-        self._count_attempt(exclude)
+        leading blocks in their paged cache, `session_address` is the session's last worker;
+        `exclude` and `cause` as for `pick`."""
+        self._count_attempt(exclude, cause)
         candidates = [DecodeCandidate(ep.address, ep.routable and ep not in exclude, ep.inflight, ep.running,
                                       ep.free_blocks, ep.total_blocks, resident.get(ep.worker_id, 0) if ep.worker_id else 0,
                                       ep.address == session_address)
@@ -162,10 +205,23 @@ class WorkerPool:
         """Endpoints a request could be sent to now (healthy, breaker letting calls through)."""
         return sum(ep.routable for ep in self.endpoints)
 
-    def _count_attempt(self, exclude: Collection[WorkerEndpoint]) -> None:
+    def retry_allowed_after(self, cause: WorkerEndpoint | None) -> bool:
+        """May a call that failed on `cause` be retried? Free when `cause` is known dead; else one
+        verdict of the budget per incident of `cause` (None: one retry of the budget)."""
+        if cause is None:
+            return self.retry_allowed()
+        if cause.unreachable or cause.breaker.state is State.OPEN:
+            return True  # nothing new reaches it: its calls in flight bound the retries, no storm
+        charged = self._charged.get(cause.address)
+        if charged is None or charged[0] != cause.incident:
+            charged = (cause.incident, self.retry_allowed())
+            self._charged[cause.address] = charged
+        return charged[1]
+
+    def _count_attempt(self, exclude: Collection[WorkerEndpoint], cause: WorkerEndpoint | None) -> None:
         if not exclude:
             self.retry_budget.record_request()
-        elif not self.retry_allowed():
+        elif not self.retry_allowed_after(cause):
             failed = ", ".join(ep.describe() for ep in exclude)
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"{self.kind} call failed on {failed} and the retry budget is spent "
@@ -184,9 +240,12 @@ class WorkerPool:
         return next((ep for ep in self.endpoints if ep.address == address), None)
 
     def mark_down(self, ep: WorkerEndpoint, reason: str) -> None:
-        """Take `ep` out of routing until its next successful health probe."""
+        """Take `ep` out of routing until its next successful health probe (a new incident of it
+        when it was up)."""
         if ep.healthy or ep.last_error != reason:  # log transitions, not every failed probe
             log.warning("%s worker %s marked down: %s", self.kind, ep.address, reason)
+        if ep.healthy:
+            ep.incident += 1
         ep.healthy, ep.last_error = False, reason
 
     def describe(self) -> str:
@@ -247,16 +306,29 @@ class WorkerPool:
             ep.failed_probes = 0
             if not ep.healthy:
                 log.info("%s worker %s is healthy", self.kind, ep.address)
-                ep.healthy, ep.last_error = True, ""
+                if ep.unreachable:
+                    ep.breaker.reset()  # back from the dead: the failures were its death (gateway.breaker)
+                ep.healthy, ep.last_error, ep.unreachable = True, "", ""
             await self._poll_stats(ep)
 
     def _probe_failed(self, ep: WorkerEndpoint, reason: str) -> None:
         ep.failed_probes += 1
-        if ep.failed_probes >= self.unhealthy_after or not ep.healthy:
+        if ep.failed_probes >= self.unhealthy_after:
             self.mark_down(ep, reason)
+            self._unreachable(ep, reason)
+        elif not ep.healthy:
+            self.mark_down(ep, reason)  # down already (a call failed, or never seen up); not yet unreachable
         else:
             log.info("%s worker %s: %s (%d of %d failed probes before it is marked down)", self.kind,
                      ep.address, reason, ep.failed_probes, self.unhealthy_after)
+
+    def _unreachable(self, ep: WorkerEndpoint, reason: str) -> None:
+        """`ep` failed `unhealthy_after` probes in a row: dead or hung. Its calls in flight are given
+        up now (their streams resume elsewhere), not when, if ever, it answers."""
+        ep.unreachable = reason
+        given_up = ep.give_up_calls()
+        if given_up:
+            log.warning("%s worker %s is unreachable: gave up %d calls in flight", self.kind, ep.address, given_up)
 
     async def _poll_stats(self, ep: WorkerEndpoint) -> None:
         """Load and identity for routing; a worker without Stats (tests' fakes) just lacks them."""

@@ -7,6 +7,11 @@ and for `retry_interval_s` after a failure no call even tries (requests do not e
 connect timeout). After that the next call, or the background monitor, tries again, and the first
 success logs that Redis is back and puts it to use again.
 
+A Redis that comes back may have lost everything (ours run without persistence; a crash or an OOM
+kill loses whatever was not saved). `on_restart` hears of it: when Redis answers again after an
+outage, and when the background poll sees a new `run_id` (a restart between two polls that no call
+noticed). The TieredStore then re-writes what its memory tier holds (kvstore.tiered).
+
 Keys are `pdkv:<16-byte block hash>` (binary), values the wire-encoded block. Batches cost one
 round trip: one pipeline of SETs, one pipeline of MGETs of at most MGET_BYTES each (a long
 conversation of a model with 128 KiB of KV per token is ~100 MB: in one MGET its reply alone would
@@ -61,6 +66,9 @@ class RedisTier:
         self.hits = 0
         self._evicted_keys: int | None = None  # Redis's own eviction count at the last poll
         self._block_bytes = 0  # largest value written or read so far: sizes the MGETs
+        self._run_id: str | None = None  # Redis's INFO run_id at the last poll (None: unknown)
+        # Called (on the event loop) when Redis may have come back empty; see the module docstring.
+        self.on_restart: Callable[[], None] | None = None
 
     @property
     def up(self) -> bool:
@@ -114,13 +122,15 @@ class RedisTier:
         return await self._call(run) is not None
 
     async def poll(self) -> None:
-        """Refresh the Redis gauges (block count, its own evictions); doubles as the outage probe."""
-        async def run() -> tuple[int, dict]:
-            return await self._redis.dbsize(), await self._redis.info("stats")
+        """Refresh the Redis gauges (block count, its own evictions); doubles as the outage probe
+        and the restart detector (a new run_id)."""
+        async def run() -> tuple[int, dict, dict]:
+            return await self._redis.dbsize(), await self._redis.info("stats"), await self._redis.info("server")
         answer = await self._call(run, force=True)
         if answer is None:
             return
-        size, stats = answer
+        size, stats, server = answer
+        self._check_run_id(str(server.get("run_id", "")))
         KVSTORE_BLOCKS.labels(tier="redis").set(size)
         evicted = int(stats.get("evicted_keys", 0))
         if self._evicted_keys is not None and evicted > self._evicted_keys:
@@ -129,6 +139,17 @@ class RedisTier:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+    def _check_run_id(self, run_id: str) -> None:
+        known, self._run_id = self._run_id, run_id
+        if known is not None and run_id != known:
+            log.warning("Redis tier %s restarted (new run_id): it may have lost its blocks",
+                        log_privacy.url(self.url))
+            self._restarted()
+
+    def _restarted(self) -> None:
+        if self.on_restart is not None:
+            self.on_restart()
 
     # ---- outage handling -------------------------------------------------------------------
 
@@ -145,6 +166,8 @@ class RedisTier:
             log.warning("Redis tier %s is back after %.1f s: using it again", log_privacy.url(self.url),
                         self._clock() - self._down_since)
             self._down_since = None
+            self._run_id = None  # the next poll learns the new one without reporting it again
+            self._restarted()
         return result
 
     def _failed(self, err: BaseException) -> None:

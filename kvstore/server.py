@@ -18,7 +18,7 @@ from pdserve.commands.kvstore import add_store_arguments
 from pdserve import log_privacy
 from pdserve.grpc_server import check_security_settings, serve_until_signal, start_server
 
-DEFAULT_BIND = "0.0.0.0:50070"
+DEFAULT_BIND = "127.0.0.1:50070"  # loopback unless told otherwise: the store trusts its writers
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ async def run_until_signal(bind: str, options: StoreOptions) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvstore", description="pdserve KV block store")
+    parser = argparse.ArgumentParser(prog="kvstore", description="pdserve KV block store", allow_abbrev=False)
     parser.add_argument("--bind", default=DEFAULT_BIND, help="host:port to listen on")
     add_store_arguments(parser)
     parser.add_argument("--log-level", default="INFO")

@@ -166,6 +166,15 @@ class MemoryBlockStore:
         """Whether `block_hash` is held (no lease expiry, no use)."""
         return block_hash in self._blocks
 
+    def resident(self) -> list[bytes]:
+        """Hashes of every block held, a snapshot (no lease expiry, no use): the Redis refill's list."""
+        return list(self._blocks)
+
+    def peek(self, block_hash: bytes) -> bytes | None:
+        """The data of `block_hash` if held, without counting a get or a use."""
+        entry = self._blocks.get(block_hash)
+        return None if entry is None else entry.data
+
     def presence(self, hashes: Iterable[bytes]) -> list[bool]:
         """Whether each hash is stored; does not count as a use."""
         self._expire_leases()

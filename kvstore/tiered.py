@@ -11,6 +11,14 @@ The price is Redis bandwidth for blocks that die young; Redis's own LRU (`maxmem
 overflowed) are remembered and spilled when the memory tier evicts them, so they get a second
 chance once Redis is back.
 
+Refill: a Redis that comes back after an outage, or restarts between two polls, may be empty (see
+kvstore.redis_tier). Without a refill the durable tier would stay empty for good: every block
+was written through once, and nothing writes it again, so the next kvstore restart would find
+nothing. So on `RedisTier.on_restart` a background task walks every block the memory tier holds,
+asks Redis which it lacks (a pipeline of EXISTS per batch) and writes those, at most
+`refill_bytes_per_s` so that the refill does not crowd out live traffic to Redis. A new restart
+starts it over; a failure stops it (the next comeback starts it again).
+
 Reads: a memory miss is looked up in Redis with one MGET and promoted into memory (pinned under
 the caller's lease, like a memory hit). `presence` (Lookup) also asks Redis about memory misses,
 so the gateway's prefix lookup sees blocks that only Redis holds.
@@ -34,18 +42,25 @@ log = logging.getLogger(__name__)
 
 WRITE_BATCH_BLOCKS = 64
 WRITE_BATCH_BYTES = 8 << 20
+REFILL_BATCH_BLOCKS = 64
 
 
 class TieredStore:
     """Memory tier plus optional Redis tier; see the module docstring. Call `start()` in the loop."""
 
     def __init__(self, memory: MemoryBlockStore, redis: RedisTier | None = None, *,
-                 max_pending_bytes: int = 256 << 20, poll_interval_s: float = 2.0) -> None:
+                 max_pending_bytes: int = 256 << 20, poll_interval_s: float = 2.0,
+                 refill_bytes_per_s: float = 64 << 20) -> None:
         self.memory = memory
         self.redis = redis
         self.max_pending_bytes = max_pending_bytes
         self.poll_interval_s = poll_interval_s
+        self.refill_bytes_per_s = refill_bytes_per_s
         memory.on_evict = self._on_evict
+        if redis is not None:
+            redis.on_restart = self._start_refill
+        self._refill_task: asyncio.Task | None = None
+        self.refilled = 0  # blocks re-written into Redis after it came back
         self._pending: OrderedDict[bytes, bytes] = OrderedDict()  # write-through queue, oldest first
         self._pending_bytes = 0
         self._unpersisted: set[bytes] = set()  # in memory, but their Redis write failed
@@ -62,10 +77,11 @@ class TieredStore:
         return self
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._refill_task] if self._refill_task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._refill_task = [], None
         if self.redis is not None:
             await self.redis.close()
 
@@ -191,6 +207,45 @@ class TieredStore:
                 await self.redis.poll()
             except Exception:  # noqa: BLE001 - the monitor must survive anything
                 log.exception("Redis tier monitor failed")
+
+    # ---- refill after a Redis restart -----------------------------------------------------------
+
+    @property
+    def refilling(self) -> bool:
+        return self._refill_task is not None and not self._refill_task.done()
+
+    def _start_refill(self) -> None:
+        """Redis may be empty: (re)start the refill from the first block (called on the loop)."""
+        if self._refill_task is not None:
+            self._refill_task.cancel()
+        self._refill_task = asyncio.get_running_loop().create_task(self._refill(), name="kv-redis-refill")
+
+    async def _refill(self) -> None:
+        hashes = self.memory.resident()
+        written = 0
+        for start in range(0, len(hashes), REFILL_BATCH_BLOCKS):
+            items = await self._missing_in_redis(hashes[start:start + REFILL_BATCH_BLOCKS])
+            if items is None:
+                log.warning("Redis refill stopped after %d blocks: Redis failed again", written)
+                return
+            if items and not await self.redis.set_many(items):
+                return
+            written += len(items)
+            self.refilled += len(items)
+            self._unpersisted.difference_update(h for h, _ in items)
+            # The rate bound: pause as long as these bytes take at refill_bytes_per_s.
+            await asyncio.sleep(sum(len(d) for _, d in items) / self.refill_bytes_per_s)
+        log.info("Redis refill done: %d of %d resident blocks were missing and written again", written, len(hashes))
+
+    async def _missing_in_redis(self, batch: Sequence[bytes]) -> list[tuple[bytes, bytes]] | None:
+        """(hash, data) of the blocks of `batch` still in memory that Redis lacks; None when Redis failed."""
+        assert self.redis is not None
+        errors = self.redis.errors
+        present = await self.redis.exists_many(batch)
+        if self.redis.errors != errors or not self.redis.up:
+            return None
+        datas = [(h, self.memory.peek(h)) for h, there in zip(batch, present) if not there]
+        return [(h, d) for h, d in datas if d is not None]
 
     def _update_gauge(self) -> None:
         KVSTORE_BLOCKS.labels(tier="memory").set(self.memory.num_blocks)

@@ -11,7 +11,9 @@ Used by both worker kinds. Three signals bring blocks here before a request asks
     wait for the history to move) and on the decode worker that will continue it.
   * hot (decode workers): a prefix many requests share; kept in the paged cache of every one.
 Blocks already in the paged cache are never fetched. A block that fails its header or checksum
-check is dropped: the engine then recomputes that request's prompt instead of decoding garbage.
+check, or (with a KV MAC key, `pdserve.kv_mac`) whose MAC does not verify for its hash, is dropped:
+the engine then recomputes that request's prompt instead of decoding garbage or forged KV. Each
+refusal is counted in pdserve_kv_blocks_rejected_total{reason} and logged, one line per fetch.
 
 Every prefetched block is counted once in pdserve_prefetch_blocks_total{signal, outcome}:
 hit (a request used it), late (a request needed it while it was still on its way), wasted
@@ -47,7 +49,7 @@ from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.runtime.kv_transfer import import_cached_blocks, pin_cached_blocks
 from pdserve.v1 import worker_pb2
 from pdserve.worker_common import Worker, record_transfer
-from pdserve.worker_metrics import PREFETCH_BLOCKS
+from pdserve.worker_metrics import KV_BLOCKS_REJECTED, PREFETCH_BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -252,16 +254,28 @@ class BlockPrefetcher:
         return await asyncio.to_thread(self._decode_all, hashes, datas)
 
     def _decode_all(self, hashes: list[bytes], datas: list[bytes | None]) -> dict[bytes, torch.Tensor]:
-        out = {}
+        out, refused = {}, []
+        spec, key = self.worker.spec, self.worker.mac_key
         for h, data in zip(hashes, datas):
             if data is None:
                 continue
             try:
-                out[h], _ = decode_block(data, self.worker.spec)
+                out[h], _ = decode_block(data, spec, h, key)
             except KVBlockError as exc:
-                self.rejected += 1
-                log.warning("KV block %s rejected (%s): the request will recompute it", h.hex()[:12], exc)
+                refused.append((h, exc))
+                KV_BLOCKS_REJECTED.labels(reason=exc.reason).inc()
+        if refused:
+            self.rejected += len(refused)
+            self._log_refused(refused)
         return out
+
+    @staticmethod
+    def _log_refused(refused: list[tuple[bytes, KVBlockError]]) -> None:
+        # One line per fetch, not per block: a poisoned prefix would otherwise flood the log.
+        reasons = sorted({exc.reason for _, exc in refused})
+        h, exc = refused[0]
+        log.warning("%d KV block(s) rejected (%s), first %s: %s; the request will recompute them",
+                    len(refused), ", ".join(reasons), h.hex()[:12], exc)
 
 
 async def answer_prepare(prefetcher: BlockPrefetcher, request: worker_pb2.PrepareRequest,

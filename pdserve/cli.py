@@ -1,12 +1,17 @@
 """The `pdserve` command: one subcommand per module in `pdserve.commands`.
 
 Each command module has `NAME`, `HELP`, `add_arguments(parser)` and `run(args) -> int`.
+
+Options are never abbreviated (`--api-key` is not read as `--api-keys-file`), and a usage error
+never echoes a value that may be a secret: a mistyped `--api-key sk-...` must not print the key
+to a terminal or a CI log.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 COMMAND_MODULES = (
@@ -25,12 +30,39 @@ COMMAND_MODULES = (
     "bench_overload",
     "bench_disagg",
     "soak",
+    "secrets",
     "experiment",
 )
 
 
+_UNRECOGNIZED = "unrecognized arguments: "
+_QUOTED = re.compile(r"'([^']*)'")
+# A long unbroken run of key-ish characters with letters and digits, or an OpenAI-style "sk-..." key.
+_SECRET_LIKE = re.compile(r"(?=.*[A-Za-z])(?=.*\d)[A-Za-z0-9_\-+=.:]{16,}|sk-\S*")
+
+
+def redact_usage_error(message: str) -> str:
+    """`message` of an argparse error with every value that may be a secret hidden: unrecognized
+    arguments are reduced to their option names; quoted values that look like keys are masked."""
+    if message.startswith(_UNRECOGNIZED):
+        words = message[len(_UNRECOGNIZED):].split()
+        options = [w.split("=", 1)[0] for w in words if w.startswith("-")]
+        hidden = len(words) - len(options) + sum("=" in w for w in words if w.startswith("-"))
+        note = f" ({hidden} value{'s' * (hidden != 1)} not shown)" if hidden else ""
+        return _UNRECOGNIZED + (" ".join(options) or "(values)") + note
+    return _QUOTED.sub(lambda m: "'<hidden>'" if _SECRET_LIKE.fullmatch(m.group(1)) else m.group(0), message)
+
+
+class SafeArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors pass through `redact_usage_error`."""
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(redact_usage_error(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated LLM serving.")
+    parser = SafeArgumentParser(prog="pdserve", description="Disaggregated LLM serving.", allow_abbrev=False)
+    # parser_class is inherited by every subcommand's parser: they redact too.
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
         try:
@@ -39,13 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
             if err.name != f"pdserve.commands.{module_name}":
                 raise
             continue  # a command that is not built yet
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve import parent_watch
+
+    parent_watch.arm()  # a child of `pdserve up` exits when `up` dies (pdserve/parent_watch.py)
     args = build_parser().parse_args(argv)
     return args._run(args)
 

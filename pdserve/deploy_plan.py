@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gateway import deadlines
 from gateway.experiments.serve_config import DeploymentConfig, ServeConfig, load_serve_config, target_flag
 from pdserve.commands.up import ChildSpec, free_port, pdserve_command
 
@@ -68,7 +69,7 @@ def plan_config(args: argparse.Namespace, config: ServeConfig | None = None) -> 
     gateway = ChildSpec("gateway", gw, pdserve_command(
         "gateway", "--bind", gw, "--config", str(Path(args.config).resolve()), "--max-inflight", str(args.max_inflight),
         "--http-port", str(args.http_port), *flags, *(("--experiment-seed", str(seed)) if seed is not None else ()),
-        *_placement_flags(args)))
+        *_placement_flags(args), *deadlines.gateway_flags(args)))
     return workers, gateway
 
 

@@ -5,10 +5,16 @@ a DecodeError there ends the call with UNKNOWN ("Unexpected DecodeError ..."), a
 cannot act on (found by fuzzing the gateway with random bytes). This server interceptor takes the
 parsing over: the method gets the raw bytes, parses them itself, and a parse failure aborts the
 call with INVALID_ARGUMENT and a message naming the expected message type.
+
+A streaming handler is either an async generator (pdserve's servicers: `abort_on`) or a coroutine
+that writes with `context.write` (grpc.health.v1's Watch, for one). Each is wrapped as what it
+is: iterating a coroutine fails the call with UNKNOWN ("'async for' requires an object with
+__aiter__"), which broke Watch on every service.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -42,24 +48,40 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             return await inner(await _parse(parse, raw, context, method), context)
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=out)
     if handler.unary_stream:
-        inner = handler.unary_stream
-
-        async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in inner(await _parse(parse, raw, context, method), context):
-                yield item
-        return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=out)
+        return grpc.unary_stream_rpc_method_handler(_unary_stream(handler.unary_stream, parse, method),
+                                                    response_serializer=out)
     if handler.stream_unary:
         inner = handler.stream_unary
 
         async def stream_unary(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             return await inner(_parsed_stream(parse, raw, context, method), context)
         return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=out)
-    inner = handler.stream_stream
+    return grpc.stream_stream_rpc_method_handler(_stream_stream(handler.stream_stream, parse, method),
+                                                 response_serializer=out)
+
+
+def _unary_stream(inner: Callable[..., Any], parse: Parse, method: str) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(inner):  # writes with context.write: await it, as grpc.aio would
+        async def writer(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+            await inner(await _parse(parse, raw, context, method), context)
+        return writer
+
+    async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in inner(await _parse(parse, raw, context, method), context):
+            yield item
+    return unary_stream
+
+
+def _stream_stream(inner: Callable[..., Any], parse: Parse, method: str) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(inner):
+        async def writer(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            await inner(_parsed_stream(parse, raw, context, method), context)
+        return writer
 
     async def stream_stream(raw: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for item in inner(_parsed_stream(parse, raw, context, method), context):
             yield item
-    return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=out)
+    return stream_stream
 
 
 class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -8,7 +8,8 @@ message instead of a Python traceback in the client.
 
 Observability is installed here too, so no service has to: `start_server` sets up the process's
 tracer provider (`pdserve.telemetry`, PDSERVE_TRACES) and the tracing server interceptor, and
-serves the Prometheus default registry on `PDSERVE_METRICS_PORT` when that is set; `grpc_channel`
+serves the Prometheus default registry on `PDSERVE_METRICS_PORT` when that is set (on loopback
+unless `PDSERVE_METRICS_HOST` says otherwise); `grpc_channel`
 adds the client interceptors that propagate W3C trace context. With tracing off (the default)
 neither carries any interceptor.
 
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 METRICS_PORT_ENV = "PDSERVE_METRICS_PORT"
+# /metrics has no key: loopback unless told otherwise (compose sets 0.0.0.0 for Prometheus).
+METRICS_HOST_ENV = "PDSERVE_METRICS_HOST"
+DEFAULT_METRICS_HOST = "127.0.0.1"
 _metrics_port: int | None = None  # the port this process serves /metrics on, once started
 
 # Health servicers of the servers started here, so stop_server can flip them to NOT_SERVING
@@ -99,22 +103,24 @@ async def start_server(
 
 
 def start_metrics_http() -> int | None:
-    """Serve the Prometheus default registry at http://0.0.0.0:$PDSERVE_METRICS_PORT/metrics, once
-    per process; the port, or None when unset. A busy port is logged, not fatal: metrics must
-    never keep a service from serving."""
+    """Serve the Prometheus default registry at http://$PDSERVE_METRICS_HOST:$PDSERVE_METRICS_PORT/metrics
+    (host default 127.0.0.1), once per process; the port, or None when unset. A busy port is logged,
+    not fatal: metrics must never keep a service from serving."""
     global _metrics_port
     raw = os.environ.get(METRICS_PORT_ENV, "").strip()
     if _metrics_port is not None or not raw:
         return _metrics_port
+    host = os.environ.get(METRICS_HOST_ENV, "").strip() or DEFAULT_METRICS_HOST
     from prometheus_client import start_http_server
 
     try:
-        server, _ = start_http_server(int(raw))
+        server, _ = start_http_server(int(raw), addr=host)
     except (OSError, ValueError) as err:
-        log.warning("cannot serve /metrics on %s=%s: %s", METRICS_PORT_ENV, raw, err)
+        log.warning("cannot serve /metrics on %s=%s %s=%s: %s", METRICS_HOST_ENV, host, METRICS_PORT_ENV, raw,
+                    err)
         return None
     _metrics_port = server.server_port
-    log.info("serving Prometheus metrics on port %d", _metrics_port)
+    log.info("serving Prometheus metrics on %s port %d", host, _metrics_port)
     return _metrics_port
 
 
@@ -152,6 +158,17 @@ async def stop_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
     if health_servicer is not None:
         await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
+
+
+async def mark_not_serving(server: grpc.aio.Server, reason: str) -> None:
+    """Report NOT_SERVING for every service of `server` from now on, while it keeps answering
+    calls (e.g. UNAVAILABLE: its engine failed), so health probes route around it. Final: the
+    health servicer ignores later SERVING updates, as in a graceful shutdown."""
+    health_servicer = _health_of.get(server)
+    if health_servicer is None:
+        return
+    log.error("reporting NOT_SERVING: %s", reason)
+    await health_servicer.enter_graceful_shutdown()
 
 
 async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:

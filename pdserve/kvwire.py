@@ -6,10 +6,15 @@ fixed little-endian header followed by the tensor's raw bytes:
 
     magic "PDKV" | version u16 | dtype code u8 | num_layers u16 | num_kv_heads u16 | head_dim u16
     | block_size u16 | num_tokens u16 | model fingerprint 16 bytes | payload length u32
-    | crc32(payload) u32 | payload
+    | crc32(payload) u32 | mac 32 bytes | payload
 
 The header carries the whole shape and the model fingerprint so a reader can refuse a block made
-by another model or cache layout instead of silently attending over garbage.
+by another model or cache layout instead of silently attending over garbage. The crc32 catches
+corruption; the mac (`pdserve.kv_mac`: HMAC-SHA256 over the block's content hash, the header
+before the mac, and the payload, keyed by the cluster KV key) catches forgery: a reader holding
+a key rejects a block whose mac does not verify under the hash it asked for, so neither a forged
+block nor a genuine one re-labelled under another hash reaches the model. A writer without a
+key writes 32 zero bytes there; a reader without a key does not check it. Version 2 added the mac.
 
 The dtype code names the KV format: 1 float32, 2 float16, 3 bfloat16, 4 int8 and 5 fp8 (e4m3fn).
 Codes 4 and 5 are scaled formats (`pdserve.runtime.kv_cache`): the block has one more row than
@@ -25,12 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import kv_mac
 from pdserve.runtime.kv_cache import cache_rows, format_name
 
 MAGIC = b"PDKV"
-VERSION = 1
-_HEADER = struct.Struct("<4sHBHHHHH16sII")
+VERSION = 2
+_HEADER = struct.Struct(f"<4sHBHHHHH16sII{kv_mac.MAC_SIZE}s")
 HEADER_SIZE = _HEADER.size
+_MAC_OFFSET = HEADER_SIZE - kv_mac.MAC_SIZE  # the mac covers the header up to here
 
 _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -45,9 +52,26 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 class KVBlockError(ValueError):
     """Encoded block data does not match what the reader expects, or is corrupt."""
 
+    reason = "invalid"  # the `reason` label of pdserve_kv_blocks_rejected_total
+
 
 class KVFormatMismatch(KVBlockError):
     """A well-formed block in another KV format (--kv-dtype) than the reader's."""
+
+    reason = "format"
+
+
+class KVChecksumError(KVBlockError):
+    """The payload does not match the header's crc32: corrupted on the way or at rest."""
+
+    reason = "checksum"
+
+
+class KVMacError(KVBlockError):
+    """The block's MAC does not verify under the reader's key and the hash it asked for: forged,
+    altered, re-labelled under another hash, or written without (or with another) key."""
+
+    reason = "mac"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +112,7 @@ class BlockHeader:
     fingerprint: bytes
     payload_len: int
     crc32: int
+    mac: bytes
 
 
 def _fingerprint_bytes(fingerprint: str) -> bytes:
@@ -100,8 +125,12 @@ def _fingerprint_bytes(fingerprint: str) -> bytes:
     return raw
 
 
-def encode_block(block: torch.Tensor, spec: BlockSpec, num_tokens: int) -> bytes:
-    """Encode `block` (shape and dtype per `spec`) holding `num_tokens` valid slots."""
+def encode_block(block: torch.Tensor, spec: BlockSpec, num_tokens: int, block_hash: bytes = b"",
+                 mac_key: bytes = b"") -> bytes:
+    """Encode `block` (shape and dtype per `spec`) holding `num_tokens` valid slots; with `mac_key`,
+    signed for the content hash `block_hash` (readers check it against the hash they asked for)."""
+    if mac_key and not block_hash:
+        raise KVBlockError("a signed block needs its content hash (block_hash)")
     if tuple(block.shape) != spec.shape:
         raise KVBlockError(f"block shape {tuple(block.shape)} != expected {spec.shape}")
     if block.dtype != spec.dtype:
@@ -114,8 +143,10 @@ def encode_block(block: torch.Tensor, spec: BlockSpec, num_tokens: int) -> bytes
     payload = block.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
     header = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[spec.dtype], spec.num_layers,
                           spec.num_kv_heads, spec.head_dim, spec.block_size, num_tokens,
-                          _fingerprint_bytes(spec.fingerprint), len(payload), zlib.crc32(payload))
-    return header + payload
+                          _fingerprint_bytes(spec.fingerprint), len(payload), zlib.crc32(payload),
+                          kv_mac.NO_MAC)[:_MAC_OFFSET]
+    mac = kv_mac.sign(mac_key, block_hash, header, payload) if mac_key else kv_mac.NO_MAC
+    return header + mac + payload
 
 
 def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
@@ -155,8 +186,10 @@ def _check_header(header: BlockHeader, spec: BlockSpec) -> None:
         raise KVBlockError(f"payload length {header.payload_len} != {spec.payload_bytes}")
 
 
-def decode_block(data: bytes | bytearray | memoryview, spec: BlockSpec) -> tuple[torch.Tensor, int]:
-    """Decode wire bytes into (block tensor, num_tokens), checking every header field against `spec`.
+def decode_block(data: bytes | bytearray | memoryview, spec: BlockSpec, block_hash: bytes = b"",
+                 mac_key: bytes = b"") -> tuple[torch.Tensor, int]:
+    """Decode wire bytes into (block tensor, num_tokens), checking every header field against `spec`
+    and, with `mac_key`, the MAC for the content hash `block_hash` (KVMacError when it fails).
 
     The tensor shares memory with `data` when `data` is writable (bytearray, writable memoryview);
     for immutable `bytes` the payload is copied once, since torch tensors must be writable.
@@ -168,8 +201,20 @@ def decode_block(data: bytes | bytearray | memoryview, spec: BlockSpec) -> tuple
         raise KVBlockError(f"payload is {actual} bytes, header says {header.payload_len} (truncated?)")
     payload = memoryview(data)[HEADER_SIZE:]
     if zlib.crc32(payload) != header.crc32:
-        raise KVBlockError("checksum mismatch: payload corrupted")
+        raise KVChecksumError("checksum mismatch: payload corrupted")
+    if mac_key:
+        _check_mac(memoryview(data)[:_MAC_OFFSET], payload, header.mac, block_hash, mac_key)
     if payload.readonly:
         payload = memoryview(bytearray(payload))
     flat = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
     return flat.view(spec.dtype).view(spec.shape), header.num_tokens
+
+
+def _check_mac(header: memoryview, payload: memoryview, mac: bytes, block_hash: bytes, key: bytes) -> None:
+    # The message names no MAC value: the expected one would be a valid MAC for forged content.
+    if mac == kv_mac.NO_MAC:
+        raise KVMacError("block carries no MAC (written without a KV MAC key, or forged) and this reader "
+                         "requires one: give every worker the same PDSERVE_KV_MAC_KEY")
+    if not block_hash or not kv_mac.verify(key, block_hash, header, payload, mac):
+        raise KVMacError("MAC does not verify for this block hash: forged, altered, re-labelled, or "
+                         "signed with another PDSERVE_KV_MAC_KEY")

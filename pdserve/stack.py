@@ -1,5 +1,9 @@
 """A real pdserve stack started in-process: kvstore, prefill and decode workers and the gateway, each
-its own process on loopback, with `pdserve up`'s plan and supervisor (tests and benchmarks)."""
+its own process on loopback, with `pdserve up`'s plan and supervisor (tests and benchmarks).
+
+Unlike under `pdserve up`, the supervisor here has no restart policy: a child killed by Stack.kill
+(or by a crash) stays dead until Stack.restart, so tests and `pdserve soak` decide every restart.
+The children still exit if the process that started them dies (pdserve/parent_watch.py)."""
 
 from __future__ import annotations
 
@@ -81,10 +85,12 @@ class Stack:
 def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str, str] | None = None) -> Stack:
     """Start the stack; `extra` are more `pdserve up` flags, `env` more environment of every child
     (e.g. PDSERVE_TLS_*: the health checks then dial as the children serve). The HTTP API is off
-    unless `extra` passes `--http-port PORT`: a fixed default port would collide between concurrent stacks."""
+    unless `extra` passes `--http-port PORT`: a fixed default port would collide between concurrent stacks.
+    As under `pdserve up` the workers get a generated KV MAC key; unlike it, no internal token is
+    generated unless `extra` passes `--internal-token` (tests dial the internal ports directly)."""
     args = build_parser().parse_args([
         "up", "--prefill", str(prefill), "--decode", str(decode), "--grpc-port", str(free_port()),
-        "--threads", "1", "--http-port", "0", *extra])
+        "--threads", "1", "--http-port", "0", "--no-internal-token", *extra])
     workers, gateway = plan(args)
     if env:
         workers = [replace(w, env=(*w.env, *env.items())) for w in workers]

@@ -1,4 +1,6 @@
-"""What prefill and decode workers share: flags, engine start-up, error codes, stats."""
+"""What prefill and decode workers share: flags, engine start-up, error codes, stats, the
+request's kvstore lease (`RequestLease`), and health that follows the engine (a failed engine
+turns the worker NOT_SERVING)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,17 @@ import os
 import socket
 import time
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
 from kvstore.client import KVStoreClient, PutResult
+from pdserve import kv_mac
 from pdserve.engine_args import build_engine
-from pdserve.grpc_server import DEFAULT_ERROR_CODES, check_security_settings, serve_until_signal, start_server
+from pdserve.grpc_server import (DEFAULT_ERROR_CODES, check_security_settings, mark_not_serving, serve_until_signal,
+                                 start_server)
 from pdserve.kvwire import BlockSpec, encode_block
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine import Engine, QueueFullError
@@ -24,10 +29,13 @@ from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A kvstore call that takes longer is given up (the worker computes the KV instead): a store that
 # hangs rather than dies must not hang requests. Generous, as one call may move hundreds of MB.
 KVSTORE_TIMEOUT_S = 30.0
+# Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
+ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
 
 # Engine exceptions -> gRPC status codes (first match wins).
 WORKER_ERROR_CODES = {
@@ -76,6 +84,8 @@ class Worker:
     spec: BlockSpec
     counters: TransferCounters
     kv_outage: KVOutage = field(default_factory=KVOutage)
+    # The cluster KV MAC key (pdserve.kv_mac; b"": blocks go unsigned and are read unchecked).
+    mac_key: bytes = field(default=b"", repr=False)
 
     @property
     def engine(self) -> Engine:
@@ -92,6 +102,66 @@ class Worker:
             kv_bytes_sent=self.counters.kv_bytes_sent)
 
 
+class RequestLease:
+    """The kvstore lease of one request on this worker (named by the request id), and the one place
+    that ends it: `end` releases it exactly once, after every call made under it has finished.
+
+    Why wait: a put or get cancelled on our side may still be processed by the store after a
+    release sent at once, pinning blocks under a lease nobody ends again (it then lives until the
+    store's TTL, 120 s). So calls under the lease run shielded: a cancelled request stops waiting
+    for them, and they end by themselves (bounded by KVSTORE_TIMEOUT_S) before the release goes."""
+
+    def __init__(self, worker: Worker, request_id: str) -> None:
+        self.worker = worker
+        self.request_id = request_id
+        self._calls: set[asyncio.Future] = set()
+        self._release: asyncio.Future | None = None
+
+    async def run(self, call: Awaitable[T]) -> T:
+        """Awaits `call` (one that pins under this lease), which goes on if the caller is cancelled."""
+        task = asyncio.ensure_future(call)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        return await asyncio.shield(task)
+
+    def end(self, drop: bool) -> asyncio.Future:
+        """Release the lease in the background, once; `drop` (the request failed or was cancelled)
+        also deletes its blocks nobody else used. Returns the release's task (the same one on
+        later calls, whatever their `drop`); awaiting it is optional."""
+        if self._release is None:
+            self._release = _spawn(self._release_after(list(self._calls), drop))
+        return self._release
+
+    async def _release_after(self, calls: list[asyncio.Future], drop: bool) -> None:
+        await asyncio.gather(*calls, return_exceptions=True)  # their outcome was someone else's
+        try:
+            await self.worker.kv.release(self.request_id, drop=drop)
+        except Exception as exc:  # noqa: BLE001 - the lease expires by itself in the store
+            self.worker.kv_outage.failed(f"release of {self.request_id}", exc)
+
+
+_background: set[asyncio.Task] = set()
+
+
+def _spawn(coro: Awaitable[None]) -> asyncio.Future:
+    # A task of its own, referenced until done: it must run even when its caller is being cancelled.
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
+
+
+def report_engine_failure(worker: Worker, server: grpc.aio.Server) -> None:
+    """When the worker's engine fails (internal error, corrupt block accounting), its health turns
+    NOT_SERVING for good: the gateway's probes route around it, and `pdserve up` or the
+    orchestrator sees a worker to restart (its calls answer UNAVAILABLE meanwhile)."""
+    loop = asyncio.get_running_loop()
+
+    def failed(reason: str) -> None:  # on the engine thread
+        loop.call_soon_threadsafe(_spawn, mark_not_serving(server, f"engine failed: {reason}"))
+    worker.aengine.on_failure(failed)
+
+
 def record_transfer(worker: Worker, direction: str, nbytes: int, seconds: float) -> None:
     """Count one batched KV transfer ("put": to the kvstore, "get": from it) in the metrics."""
     from pdserve.worker_metrics import KV_TRANSFER_BYTES, KV_TRANSFER_SECONDS
@@ -104,7 +174,9 @@ async def put_blocks(worker: Worker, lease: str, blocks: Sequence[ExportedBlock]
     """Wire-encode exported blocks (off the loop) and put them into the kvstore under `lease` ("":
     unpinned), counting the bytes sent. Raises grpc.aio.AioRpcError when the store fails."""
     spec = worker.spec
-    encoded = await asyncio.to_thread(lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens)) for b in blocks])
+    key = worker.mac_key
+    encoded = await asyncio.to_thread(
+        lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens, b.hash, key)) for b in blocks])
     start = time.perf_counter()
     result = await worker.kv.put_blocks(lease, encoded)
     nbytes = sum(len(d) for _, d in encoded)
@@ -123,9 +195,22 @@ def make_worker(args: argparse.Namespace) -> Worker:
     engine, _ = build_engine(args)
     aengine = AsyncEngine(engine, batch_window_s=args.batch_window_ms / 1000,
                           max_streams=args.max_waiting + args.max_batch_size).start()
+    fault_after = os.environ.get(ENGINE_FAULT_ENV, "").strip()
+    if fault_after:
+        if not fault_after.isdigit():
+            raise ValueError(f"{ENGINE_FAULT_ENV} must be a whole number of engine steps, got {fault_after!r}")
+        aengine.inject_fault_for_tests(int(fault_after))
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.bind.rsplit(':', 1)[-1]}"
     kv = KVStoreClient(args.kvstore, timeout_s=KVSTORE_TIMEOUT_S)
-    return Worker(worker_id, aengine, kv, block_spec(engine), TransferCounters())
+    return Worker(worker_id, aengine, kv, block_spec(engine), TransferCounters(), mac_key=kv_mac.current_key())
+
+
+def warn_if_unsigned(mac_key: bytes) -> None:
+    """One warning at start when this worker has no KV MAC key: it then trusts every block it reads."""
+    if not mac_key:
+        log.warning("no KV MAC key (%s or %s): KV blocks are unauthenticated, so anyone who can write to "
+                    "the kvstore or its Redis can feed this worker forged KV; give every prefill and decode "
+                    "worker the same key (`pdserve up` generates one)", kv_mac.KEY_ENV, kv_mac.KEY_FILE_ENV)
 
 
 def run_worker(args: argparse.Namespace, service_name: str,
@@ -135,6 +220,7 @@ def run_worker(args: argparse.Namespace, service_name: str,
                         format=f"%(asctime)s {service_name.rsplit('.', 1)[-1]} %(levelname)s %(message)s")
     try:
         check_security_settings()
+        warn_if_unsigned(kv_mac.current_key())
     except ValueError as err:
         print(f"pdserve {service_name.rsplit('.', 1)[-1]}: {err}", file=sys.stderr)
         return 2
@@ -142,6 +228,7 @@ def run_worker(args: argparse.Namespace, service_name: str,
     async def main() -> None:
         worker = make_worker(args)  # inside the loop: the kvstore channel binds to it
         server, port = await start_server(args.bind, lambda s: add_servicer(worker, s), [service_name])
+        report_engine_failure(worker, server)
         log.info("%s %s listening on port %d", service_name, worker.worker_id, port)
         try:
             await serve_until_signal(server)

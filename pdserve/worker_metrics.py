@@ -19,3 +19,11 @@ KV_TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds",
 # before the blocks did), wasted (prefetched and never used: evicted, dropped, or the session quit)
 PREFETCH_BLOCKS = Counter("pdserve_prefetch_blocks_total", "Prefetch decisions, counted in KV blocks",
                           ["signal", "outcome"])
+# reason: why a worker refused a KV block it fetched (the request then recomputes it): mac (forged,
+# altered, re-labelled, or unsigned while this worker holds a PDSERVE_KV_MAC_KEY), checksum (corrupted),
+# format (another --kv-dtype), invalid (another model or layout, a bad header, a wrong length)
+KV_BLOCK_REJECT_REASONS = ("mac", "checksum", "format", "invalid")
+KV_BLOCKS_REJECTED = Counter("pdserve_kv_blocks_rejected_total",
+                             "KV blocks a worker fetched and refused (recomputed instead), by reason", ["reason"])
+for _reason in KV_BLOCK_REJECT_REASONS:
+    KV_BLOCKS_REJECTED.labels(reason=_reason)  # every reason shows, at 0, before the first rejection

@@ -17,6 +17,12 @@ either: the decode worker finds the blocks missing and computes them (logged onc
 
 Prefill is idempotent by request id (prefill.single_flight): a retry that arrives while the same
 request runs here joins that run instead of starting a second one.
+
+Ownership (a cancel can land on any await): the references pinned on cached prefix blocks belong
+to a `PinnedBlocks`, released exactly once on the engine thread (by the add, or by the cleanup);
+a held sequence's blocks are released by the export, or by the abort of a request left early; the
+kvstore lease belongs to a `RequestLease`, ended once after its calls finished (drop on failure,
+at once when the request finished here, else by the decode worker that reads the blocks).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine, StepOutput
-from pdserve.runtime.kv_transfer import ExportedBlock, pin_cached_blocks
+from pdserve.runtime.kv_transfer import ExportedBlock, PinnedBlocks
+from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import WORKER_ERROR_CODES, Worker, put_blocks
+from pdserve.worker_common import WORKER_ERROR_CODES, RequestLease, Worker, put_blocks
 from prefill.single_flight import SingleFlight
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
@@ -80,47 +87,54 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid, prompt = request.request_id, list(request.token_ids)
         params = sampling_from_proto(request.sampling)
         stored = self._stored_prefix(prompt, request.cached_blocks)
-        bm = self.worker.engine.block_manager
-        new_blocks = -(-len(prompt) // self.worker.spec.block_size) - sum(bm.lookup(h) is not None for h in stored)
-        await self.prefetcher.make_room(new_blocks, keep=set(stored))
-        # What the paged cache holds now (a session prefetch put it there) must still be there
-        # when the sequence is added: another prompt's step could evict it while we fetch the rest.
-        pinned = await self.worker.aengine.call(lambda e: pin_cached_blocks(e, stored))
+        # One owner each, released once on every path (also a cancel at any await): the references
+        # on what the paged cache holds now (a session prefetch put it there: another prompt's
+        # step could evict it while we fetch the rest) go to the sequence when it is added, or
+        # back in `finally`; the kvstore lease ends here unless a decode worker takes it over.
+        pins, lease = PinnedBlocks(stored), RequestLease(self.worker, rid)
+        succeeded = False
         try:
-            prefix = await self._fetch_prefix(rid, stored)
-        except BaseException:
-            await self.worker.aengine.call(lambda e: e.block_manager.release(pinned))
-            raise
-        last: StepOutput | None = None
-        added = False
-
-        def add(engine: Engine) -> None:
-            nonlocal added
-            added = True
-            try:
-                engine.add_with_prefix(rid, prompt, params, prefix, hold_blocks=True)
-            finally:
-                engine.block_manager.release(pinned)  # the sequence holds its own references now
-        try:
-            async for outs in self.worker.aengine.generate(rid, add):
-                last = outs[-1]
-            blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid, set(stored)))
-        except BaseException:
-            if not added:
-                await self.worker.aengine.call(lambda e: e.block_manager.release(pinned))
-            await self._release(rid, drop=True)
-            raise
-        # The store holds the hinted prefix already (what was fetched is pinned under this lease);
-        # copying and putting it again would cost the whole history's KV on every turn of a chat.
-        await self._store(rid, blocks)
+            await self._make_room(prompt, stored)
+            await self.worker.aengine.call(pins.pin)
+            prefix = await lease.run(self._fetch_prefix(rid, stored))
+            last, blocks = await self._compute(rid, prompt, params, prefix, pins, set(stored))
+            # The store holds the hinted prefix already (what was fetched is pinned under this
+            # lease); putting it again would cost the whole history's KV on every turn of a chat.
+            await lease.run(self._store(rid, blocks))
+            succeeded = True
+        finally:
+            self.worker.aengine.call_soon(pins.release)  # a no-op once the sequence took them
+            if not succeeded:
+                lease.end(drop=True)
         if last.finish_reason:  # no decode will come for this request: unpin its blocks now
-            await self._release(rid, drop=False)
+            await asyncio.shield(lease.end(drop=False))
         lp = last.logprobs[0] if last.logprobs else None
         return worker_pb2.PrefillResponse(
             request_id=rid, first_token=last.new_token_ids[0],
             first_logprob=logprob_to_proto(lp) if lp else None,
             block_hashes=[*stored, *(b.hash for b in blocks)], prompt_tokens=len(prompt),
             cached_tokens=last.cached_tokens, finish_reason=last.finish_reason)
+
+    async def _make_room(self, prompt: list[int], stored: list[bytes]) -> None:
+        """Unpins session prefetches (not this request's own) until the prompt's new blocks fit."""
+        bm = self.worker.engine.block_manager
+        new_blocks = -(-len(prompt) // self.worker.spec.block_size) - sum(bm.lookup(h) is not None for h in stored)
+        await self.prefetcher.make_room(new_blocks, keep=set(stored))
+
+    async def _compute(self, rid: str, prompt: list[int], params: SamplingParams, prefix: dict[bytes, torch.Tensor],
+                       pins: PinnedBlocks, skip: set[bytes]) -> tuple[StepOutput, list[ExportedBlock]]:
+        """Runs the prompt in the engine; its last output and its blocks but `skip`, exported (the
+        engine releases them: a cancel at the export's await cannot keep them held)."""
+        def add(engine: Engine) -> None:
+            try:
+                engine.add_with_prefix(rid, prompt, params, prefix, hold_blocks=True)
+            finally:
+                pins.release(engine)  # the sequence holds its own references now
+        last: StepOutput | None = None
+        async for outs in self.worker.aengine.generate(rid, add):  # leaving early aborts it
+            last = outs[-1]
+        blocks = await self.worker.aengine.call(lambda e: _export_and_release(e, rid, skip))
+        return last, blocks
 
     def _stored_prefix(self, prompt: list[int], cached_blocks: int) -> list[bytes]:
         """Hashes of the leading blocks the gateway found in the kvstore that may be reused (the
@@ -152,12 +166,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if result.rejected:
             log.warning("kvstore rejected %d of %d KV blocks of %s (full?): the decode worker will compute them",
                         result.rejected, len(blocks), rid)
-
-    async def _release(self, rid: str, drop: bool) -> None:
-        try:
-            await self.worker.kv.release(rid, drop=drop)
-        except grpc.aio.AioRpcError as err:  # the lease expires by itself in the store
-            self.worker.kv_outage.failed(f"release of {rid}", err)
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> worker_pb2.WorkerStats:

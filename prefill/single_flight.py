@@ -4,7 +4,8 @@ Why: the gateway retries a Prefill whose worker answered UNAVAILABLE, and a clie
 retry too; a retry that lands on a worker still running the same request id must not start a
 second sequence (the engine would refuse the duplicate id) nor pin the blocks twice. It joins
 the run in progress and gets the same answer. The run is cancelled only when every caller has
-gone (a cancelled RPC stops the work it alone was waiting for).
+gone (a cancelled RPC stops the work it alone was waiting for); a call for the same id arriving
+while a cancelled run still cleans up waits for it to end, then runs anew.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class _Run(Generic[T]):
     def __init__(self, task: asyncio.Future[T]) -> None:
         self.task = task
         self.callers = 0
+        self.abandoned = False  # every caller left: cancelled, cleaning up
 
 
 class SingleFlight(Generic[T]):
@@ -32,10 +34,10 @@ class SingleFlight(Generic[T]):
 
     async def run(self, key: str, work: Callable[[], Awaitable[T]]) -> T:
         """The result of `work()` for `key`, shared with every concurrent call for the same key."""
-        run = self._runs.get(key)
+        run = await self._live_run(key)
         if run is None:
             run = self._runs[key] = _Run(asyncio.ensure_future(work()))
-            run.task.add_done_callback(lambda _: self._runs.pop(key, None))
+            run.task.add_done_callback(lambda _: self._forget(key, run))
         else:
             self.joined += 1
         run.callers += 1
@@ -44,4 +46,19 @@ class SingleFlight(Generic[T]):
         finally:
             run.callers -= 1
             if run.callers == 0 and not run.task.done():
+                run.abandoned = True
                 run.task.cancel()
+
+    async def _live_run(self, key: str) -> _Run[T] | None:
+        """The run of `key` to join, if any. A call arriving while an abandoned run still cleans up
+        (releasing its blocks and its lease) waits for it to end and then starts afresh: joining
+        would answer it CANCELLED, and overlapping would let the old cleanup end the new lease."""
+        while (run := self._runs.get(key)) is not None and run.abandoned:
+            if run.task.done():
+                return None  # ended; its entry goes with the next loop turn
+            await asyncio.wait([run.task])
+        return run
+
+    def _forget(self, key: str, run: _Run[T]) -> None:
+        if self._runs.get(key) is run:
+            del self._runs[key]

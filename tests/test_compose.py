@@ -61,3 +61,25 @@ def test_redis_is_a_bounded_lru_cache(services: dict) -> None:
     command = services["redis"]["command"]
     assert services["redis"]["image"] == "redis:7"
     assert "--maxmemory" in command and command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+
+
+def _compose_env(svc: dict) -> dict:
+    """A service's environment with ${VAR:-default} read as its default (nothing set by the caller)."""
+    import re
+
+    return {k: re.sub(r"\$\{[A-Z_]+:?-([^}]*)\}", r"\1", str(v)) for k, v in svc["environment"].items()}
+
+
+def test_secrets_are_on_by_default_and_only_readers_get_the_kv_mac_key(services: dict) -> None:
+    top = yaml.safe_load(COMPOSE.read_text())["secrets"]
+    assert set(top) == {"internal-token", "kv-mac-key"}
+    for name in ("kvstore", "prefill", "decode", "gateway"):
+        svc, env = services[name], _compose_env(services[name])
+        assert "internal-token" in svc["secrets"], name
+        assert env["PDSERVE_INTERNAL_TOKEN_FILE"] == "/run/secrets/internal-token", name
+        reads_blocks = name in ("prefill", "decode")
+        assert ("kv-mac-key" in svc["secrets"]) == reads_blocks, name
+        assert (env.get("PDSERVE_KV_MAC_KEY_FILE") == "/run/secrets/kv-mac-key") == reads_blocks, name
+        # Standalone services bind loopback; in a container that would be unreachable: say 0.0.0.0.
+        assert build_parser().parse_args(svc["command"]).bind.startswith("0.0.0.0:"), name
+        assert env["PDSERVE_METRICS_HOST"] == "0.0.0.0" and "9100" not in str(svc.get("ports", [])), name

@@ -13,7 +13,7 @@ from pdserve.runtime.detokenizer import IncrementalDetokenizer
 from pdserve.runtime.gguf_reader import load_gguf_tokenizer
 from pdserve.runtime.tokenizer import HFTokenizer, Tokenizer
 
-GGUF = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K/stories260K.gguf"
+GGUF = Path(__file__).resolve().parent / "fixtures/stories260K/stories260K.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason=f"test model {GGUF} not present")
 
 TEXTS = [

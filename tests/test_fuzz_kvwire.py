@@ -2,7 +2,7 @@
 
 Decoding random or mutated encodings (flipped bytes, truncations, appended bytes, rewritten header
 fields) either returns a block or raises KVBlockError, never anything else, and whatever it returns
-has the spec's shape. A running kvstore answers every PutBlocks of mutated blocks with OK and
+has the spec's shape; a reader holding the KV MAC key returns nothing but the block that was signed. A running kvstore answers every PutBlocks of mutated blocks with OK and
 counts (stored, already present or rejected), while a good block put beside them still comes back
 byte for byte; afterwards the stack serves the reference output and holds no KV."""
 
@@ -21,20 +21,25 @@ from pdserve.v1 import kvstore_pb2
 
 SPEC = BlockSpec("ab" * 16, torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 FIELDS = ("magic", "version", "dtype_code", "num_layers", "num_kv_heads", "head_dim", "block_size",
-          "num_tokens", "fingerprint", "payload_len", "crc32")
+          "num_tokens", "fingerprint", "payload_len", "crc32", "mac")
 FIELD_VALUES = {"magic": st.binary(min_size=4, max_size=4), "fingerprint": st.binary(min_size=16, max_size=16),
+                "mac": st.binary(min_size=32, max_size=32),
                 "payload_len": st.integers(0, 2**32 - 1), "crc32": st.integers(0, 2**32 - 1)}
 
 
-def good_block(seed: int, num_tokens: int) -> bytes:
+KEY, HASH = b"fuzz-kv-mac-key-0123456789", b"h" * 16
+
+
+def good_block(seed: int, num_tokens: int, mac_key: bytes = b"") -> bytes:
     gen = torch.Generator().manual_seed(seed)
-    return encode_block(torch.randn(SPEC.shape, generator=gen), SPEC, num_tokens)
+    tensor = torch.randn(SPEC.shape, generator=gen)
+    return encode_block(tensor, SPEC, num_tokens, HASH if mac_key else b"", mac_key)
 
 
 @st.composite
-def mutated(draw) -> bytes:
-    """A valid encoding with one kind of damage."""
-    data = bytearray(good_block(draw(st.integers(0, 3)), draw(st.integers(0, SPEC.block_size))))
+def mutated(draw, mac_key: bytes = b"") -> bytes:
+    """A valid encoding (signed with `mac_key` when given) with one kind of damage."""
+    data = bytearray(good_block(draw(st.integers(0, 3)), draw(st.integers(0, SPEC.block_size)), mac_key))
     kind = draw(st.sampled_from(["flip", "truncate", "append", "field", "random"]))
     event(kind)
     if kind == "flip":
@@ -64,6 +69,18 @@ def test_decode_raises_only_kvblockerror(data, as_type):
         return
     assert tuple(block.shape) == SPEC.shape and block.dtype == SPEC.dtype
     assert 0 <= num_tokens <= SPEC.block_size
+
+
+@settings(FUZZ, max_examples=300)
+@given(data=mutated(mac_key=KEY))
+def test_keyed_reader_accepts_nothing_but_the_signed_block(data):
+    try:
+        block, num_tokens = decode_block(data, SPEC, block_hash=HASH, mac_key=KEY)
+    except KVBlockError as err:
+        event(err.reason)
+        return
+    # Accepted: then it must be one of the blocks that were signed, untouched (a flip may cancel out).
+    assert any(data == good_block(seed, num_tokens, KEY) for seed in range(4))
 
 
 def test_good_blocks_decode_to_what_was_encoded():

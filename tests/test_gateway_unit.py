@@ -102,7 +102,8 @@ def test_request_ids_and_chat_messages() -> None:
     assert len(req.request_id) == 32 and req.messages is None and req.prompt == "hi"
     chat = generation_request(gateway_pb2.ChatRequest(
         request_id="r1", messages=[gateway_pb2.ChatMessage(role="user", content="Hi")]))
-    assert chat.request_id == "r1" and chat.messages == ({"role": "user", "content": "Hi"},)
+    assert chat.client_request_id == chat.public_id == "r1" and len(chat.request_id) == 32  # the gateway's own
+    assert chat.messages == ({"role": "user", "content": "Hi"},)
 
 
 def test_prompt_validation(model: ModelInfo) -> None:
@@ -206,10 +207,9 @@ class Stack:
     kv: RecordingKVStore
 
     async def released(self) -> list[str]:
-        """Lease releases run in the background; give them a moment."""
-        for _ in range(40):
-            if self.kv.released:
-                break
+        """Lease releases run in the background: until one is seen, or a deadline."""
+        deadline = time.monotonic() + 30
+        while not self.kv.released and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return self.kv.released
 
@@ -258,8 +258,8 @@ async def gateway_stack(model: ModelInfo, prefill_workers: int = 2, max_inflight
             await pool.close()
 
 
-def _request(prompt: str = "Once", **sampling) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(request_id="r1", prompt=prompt,
+def _request(prompt: str = "Once", request_id: str = "r1", **sampling) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(request_id=request_id, prompt=prompt,
                                        sampling=common_pb2.SamplingParams(**sampling))
 
 
@@ -283,7 +283,9 @@ def test_generate_streams_first_token_then_decode(model: ModelInfo) -> None:
             assert [c.finish_reason for c in chunks][-1] == "length" and not any(c.finish_reason for c in chunks[:-1])
             assert chunks[-1].usage.completion_tokens == len(st.decode.tokens) + 1
             assert chunks[-1].usage.prompt_tokens == len(model.tokenizer.encode("Once"))
-            assert st.decode.prepared == ["r1"] and st.decode.requests[0].first_token == chunks[0].token_ids[0]
+            # Downstream the request has the gateway's own id; the client's ("r1") is only echoed.
+            assert {c.request_id for c in chunks} == {"r1"} and st.decode.prepared == [st.decode.requests[0].request_id]
+            assert st.decode.prepared[0] != "r1" and st.decode.requests[0].first_token == chunks[0].token_ids[0]
             assert sum(len(p.calls) for p in st.prefill) == 1
             assert [p.calls[0].cached_blocks for p in st.prefill if p.calls] == [0]  # asked the kvstore
             assert st.kv.released == []  # the decode worker owns the lease
@@ -309,7 +311,7 @@ def test_first_token_finish_skips_decode(model: ModelInfo) -> None:
             chunks = await _collect(st.stub.Generate(_request(max_tokens=1)))
             assert len(chunks) == 1 and chunks[0].finish_reason == "length"
             assert chunks[0].usage.completion_tokens == 1 and not st.decode.requests
-            assert await st.released() == ["r1"]  # nobody else would end the request's kvstore lease
+            assert len(await st.released()) == 1  # nobody else would end the request's kvstore lease
     asyncio.run(scenario())
 
 
@@ -357,7 +359,7 @@ def test_decode_failure_deadline_cancel_and_limit(model: ModelInfo) -> None:
             st.decode.fail_at = 3  # dies mid-stream: the stream ends with UNAVAILABLE
             code, details = await _status_of(st.stub.Generate(_request()))
             assert code == grpc.StatusCode.UNAVAILABLE and "during decode" in details
-            assert await st.released() == ["r1"]
+            assert len(await st.released()) == 1
             await st.flow.decode_pool.refresh()  # probed healthy again
             st.decode.fail_at, st.decode.delay_s = None, 0.2
             start = time.monotonic()
@@ -367,13 +369,12 @@ def test_decode_failure_deadline_cancel_and_limit(model: ModelInfo) -> None:
             st.decode.cancelled.clear()
             call = st.stub.Generate(_request())
             await call.read()  # the first token: the request is in flight
-            code, details = await _status_of(st.stub.Generate(_request()))
+            code, details = await _status_of(st.stub.Generate(_request(request_id="r2")))  # "r1" is in flight
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight" in details
             call.cancel()  # a client cancel reaches the decode worker
             await asyncio.wait_for(st.decode.cancelled.wait(), 5)
-            for _ in range(50):  # the slot frees once the handler has unwound
-                if st.flow.limit.inflight == 0:
-                    break
+            deadline = time.monotonic() + 30  # the slot frees once the handler has unwound
+            while st.flow.limit.inflight != 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert st.flow.limit.inflight == 0
     asyncio.run(scenario())

@@ -359,7 +359,7 @@ def test_up_refuses_a_busy_http_port_and_reports_off():
         port = busy.getsockname()[1]
         proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--grpc-port", str(free_port()),
                                "--http-port", str(port)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 2 and proc.stdout == ""
     assert f"cannot use --http-port {port} on 127.0.0.1" in proc.stderr
 
     args = build_parser().parse_args(["up", "--http-port", "0"])
@@ -380,7 +380,7 @@ class _FakeFlow:
         self.model = SimpleNamespace(context_window=64)
         self.prefill_pool = self.decode_pool = SimpleNamespace(endpoints=[], describe=lambda: "none")
 
-    def tokenize(self, request) -> list[int]:
+    async def tokenize(self, request) -> list[int]:
         return [1, 2, 3]
 
     async def run(self, request, time_remaining):

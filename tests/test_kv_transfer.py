@@ -8,6 +8,7 @@ import pytest
 
 from conftest import model_config_from_hf, random_hf_model
 from pdserve.kvwire import BlockSpec, decode_block, encode_block
+from pdserve.runtime.kv_transfer import PinnedBlocks, prompt_hashes
 from pdserve.runtime.sampling_params import SamplingParams
 
 
@@ -89,3 +90,27 @@ def test_decode_worker_shares_blocks_it_already_holds(make_engine, hf):
     assert cached_before >= 2
     assert _decode(decoder, [prompt], prefilled[1:], params) == first
     assert decoder.block_manager.num_free_blocks == free_before
+
+
+@pytest.mark.parametrize("order", ["add_then_cleanup", "cleanup_then_never_added"])
+def test_pinned_blocks_are_released_exactly_once(make_engine, hf, order):
+    """A Prefill's pins on cached prefix blocks: the add takes them over, and the cleanup that runs
+    after it (or instead of it, on a cancel) drops them only if the add did not."""
+    engine = make_engine(model_config_from_hf(hf.config, "llama"), hf.state_dict())
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prompt = list(range(3, 40))  # two full blocks and a tail
+    engine.generate([prompt], params)  # its two full blocks are cached now
+    hashes = prompt_hashes(engine, prompt)[:2]
+    pins = PinnedBlocks(hashes)
+    pins.pin(engine)
+    assert len(pins.block_ids) == 2 and engine.block_manager.num_cached_blocks == 0  # referenced
+    if order == "add_then_cleanup":
+        engine.add_with_prefix("r", prompt, params, {}, hold_blocks=True)
+        pins.release(engine)  # what the add closure does once the sequence holds its own
+        while engine.has_unfinished():
+            engine.step()
+        engine.release_held("r")
+    pins.release(engine)  # the cleanup: a no-op after the add, the release after a cancel
+    pins.release(engine)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks >= 2

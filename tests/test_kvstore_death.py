@@ -1,6 +1,8 @@
 """The KV store and its Redis tier SIGKILLed under load (docs/reliability.md): every request completes
 with the in-process engine's greedy output (workers compute the KV they cannot fetch); a kvstore
-restarted on its port finds its blocks again in Redis and the workers use it without restarting."""
+restarted on its port finds its blocks again in Redis and the workers use it without restarting; a
+restarted (empty) Redis is refilled from the kvstore's memory, so a later kvstore restart still finds
+them. Every wait is a condition with a deadline: the test means the same on a faster or slower machine."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import time
 
 import grpc
 import pytest
+import redis
 import torch
 
 from conftest import STORIES_GGUF
+from kvstore.redis_tier import block_key
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
@@ -29,6 +33,7 @@ PROMPTS = (
 STORED = "A girl named Sue had a big red ball and a small blue car that she loved to"
 TOKENS = 160
 READ_BEFORE_KILL = 24
+DEADLINE_S = 60.0  # for things that happen in the background (write-back, reconnects, back-offs)
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +91,32 @@ def _stored_prefix(stack, hashes: list[bytes]) -> int:
     return reply.prefix_blocks
 
 
-def _await_stored(stack, hashes: list[bytes], tries: int = 50) -> int:
-    """Leading blocks of `hashes` the store holds, once all are there or after `tries` polls (the
+def _await(condition, what: str, deadline_s: float = DEADLINE_S) -> None:
+    """Poll `condition()` until it holds; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {deadline_s:g} s"
+        time.sleep(0.05)
+
+
+def _await_stored(stack, hashes: list[bytes]) -> int:
+    """Leading blocks of `hashes` the store holds, once all are there or at the deadline (the
     write-back and Redis write-through run in the background)."""
-    for _ in range(tries):
-        found = _stored_prefix(stack, hashes)
-        if found == len(hashes):
-            break
-        time.sleep(0.1)
+    deadline = time.monotonic() + DEADLINE_S
+    while (found := _stored_prefix(stack, hashes)) < len(hashes) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return found
 
 
-def test_kvstore_killed_under_load_then_restarted(stack, reference, checkpoint):
+def _stored_hashes(stack, checkpoint, reference) -> list[bytes]:
+    """STORED's blocks once generated: its prompt and written-back answer (all in the store)."""
     assert _tokens(_generate(stack, STORED)) == reference[STORED]
     ids = checkpoint.tokenizer.encode(STORED) + reference[STORED][:-1]  # prompt + answer with KV
-    hashes = prompt_block_hashes(ids, 16, checkpoint.fingerprint, "float32")
+    return prompt_block_hashes(ids, 16, checkpoint.fingerprint, "float32")
+
+
+def test_kvstore_killed_under_load_then_restarted(stack, reference, checkpoint):
+    hashes = _stored_hashes(stack, checkpoint, reference)
     assert _await_stored(stack, hashes) == len(hashes)  # prompt and written-back answer blocks
     _run_through(stack, reference, lambda: stack.kill("kvstore"))
     stack.restart("kvstore")
@@ -109,20 +125,39 @@ def test_kvstore_killed_under_load_then_restarted(stack, reference, checkpoint):
     assert _tokens(_generate(stack, STORED)) == reference[STORED]
 
 
-def _puts_resume(stack, tries: int = 20) -> int:
-    """Send new prompts until their KV blocks reach the (restarted) store; the puts it counted.
-    Each worker redials the store at least every 2 s (grpc_server.RECONNECT_OPTIONS)."""
-    for i in range(tries):
+def _puts_resume(stack) -> int:
+    """Send new prompts until their KV blocks reach the (restarted) store, or the deadline; the puts
+    it counted. Each worker redials the store at least every 2 s (grpc_server.RECONNECT_OPTIONS)."""
+    deadline = time.monotonic() + DEADLINE_S
+    i = 0
+    while not (puts := stack.kvstore_stats().puts) and time.monotonic() < deadline:
         _tokens(_generate(stack, f"Tom saw {i} frogs that could jump very high, so he"))
-        puts = stack.kvstore_stats().puts
-        if puts:
-            break
-        time.sleep(0.5)
+        i += 1
     return puts
 
 
-def test_redis_killed_and_restarted_under_load(stack, reference, redis_server_module):  # noqa: F811
+def _in_redis(server, hashes: list[bytes]) -> int:
+    return redis.Redis(port=server.port).exists(*[block_key(h) for h in hashes])
+
+
+def _read_into_memory(stack, hashes: list[bytes]) -> int:
+    """GetBlocks without a lease: blocks only Redis held (the kvstore restarted since they were put)
+    are promoted into its memory tier, the copy a refill writes back. The blocks it returned."""
+    with grpc.insecure_channel(stack.child("kvstore").spec.address) as ch:
+        blocks = stack.kvstore_stub(ch).GetBlocks(kvstore_pb2.GetBlocksRequest(block_hashes=hashes), timeout=30)
+        return sum(not b.missing for b in blocks)
+
+
+def test_redis_killed_and_restarted_under_load(stack, reference, checkpoint, redis_server_module):  # noqa: F811
+    hashes = _stored_hashes(stack, checkpoint, reference)
+    _await(lambda: _in_redis(redis_server_module, hashes) == len(hashes), "STORED written through to Redis")
+    assert _read_into_memory(stack, hashes) == len(hashes)
     _run_through(stack, reference, redis_server_module.kill)
-    redis_server_module.start()
+    redis_server_module.start()  # empty: no persistence
     _run_through(stack, reference, lambda: None)
-    assert stack.kvstore_stats().backend_up
+    # The tier retries after its back-off (and its monitor probes every 2 s): a condition, not a sleep.
+    _await(lambda: stack.kvstore_stats().backend_up, "kvstore's Redis tier back up")
+    _await(lambda: _in_redis(redis_server_module, hashes) == len(hashes), "STORED refilled into the new Redis")
+    stack.kill("kvstore")
+    stack.restart("kvstore")  # an empty memory tier: everything it finds comes from the refilled Redis
+    assert _await_stored(stack, hashes) == len(hashes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 
 import pytest
 import redis
@@ -203,10 +204,14 @@ def test_redis_outage_serves_from_memory_then_recovers(redis_server: RedisServer
         assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
 
         redis_server.start()  # Redis is back (empty: it had no persistence)
-        await asyncio.sleep(0.3)  # past the back-off
+        # Back once the back-off has passed and a call or the monitor's probe found it: a condition.
+        deadline = time.monotonic() + 30
+        while not (await client.stats()).backend_up:
+            assert time.monotonic() < deadline, "the Redis tier did not come back"
+            await client.lookup([_h("probe")])  # a call that asks Redis (a memory miss)
+            await asyncio.sleep(0.02)
         await client.put_blocks("", [(_h("after"), _block(99))])
         assert await store.flush()
-        assert (await client.stats()).backend_up
         assert redis.Redis(port=redis_server.port).exists(block_key(_h("after"))) == 1
         assert any("is back" in r.getMessage() for r in caplog.records)
         await _stop(server, store, client)

@@ -1,14 +1,17 @@
-"""KV block wire format: round trips per dtype, and every kind of mismatch or corruption refused."""
+"""KV block wire format: round trips per dtype, and every kind of mismatch, corruption or forgery
+(a block whose MAC does not verify for its hash under the reader's key) refused."""
 
 from __future__ import annotations
 
 import dataclasses
 import struct
+import zlib
 
 import pytest
 import torch
 
-from pdserve.kvwire import HEADER_SIZE, MAGIC, BlockSpec, KVBlockError, decode_block, encode_block, read_header
+from pdserve.kvwire import (HEADER_SIZE, MAGIC, BlockSpec, KVBlockError, KVMacError, decode_block,
+                            encode_block, read_header)
 
 FP = "0123456789abcdef0123456789abcdef"
 SPEC = BlockSpec(fingerprint=FP, dtype=torch.float32, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
@@ -70,7 +73,7 @@ def _patch_header(data: bytes, offset: int, fmt: str, value: int | bytes) -> byt
 
 @pytest.mark.parametrize(("offset", "fmt", "value", "message"), [
     (0, "<4s", b"XXXX", "bad magic"),
-    (4, "<H", 2, "wire version 2 != 1"),
+    (4, "<H", 1, "wire version 1 != 2"),
     (6, "<B", 99, "unknown KV dtype code 99"),
     (15, "<H", 5, "num_tokens 5 > block_size 4"),
     (33, "<I", 12, "payload length 12 != "),
@@ -119,3 +122,65 @@ def test_encode_rejects_bad_input(kwargs: dict, message: str) -> None:
     args = {"block": _block(SPEC), "spec": SPEC, "num_tokens": 2, **kwargs}
     with pytest.raises(KVBlockError, match=message):
         encode_block(**args)
+
+
+KEY = b"k" * 32
+HASH = bytes(range(16))
+
+
+def _signed(num_tokens: int = 2) -> bytes:
+    return encode_block(_block(SPEC), SPEC, num_tokens, block_hash=HASH, mac_key=KEY)
+
+
+def test_signed_block_round_trips_and_unkeyed_readers_still_read_it() -> None:
+    data = _signed()
+    decoded, num_tokens = decode_block(data, SPEC, block_hash=HASH, mac_key=KEY)
+    assert num_tokens == 2 and torch.equal(decoded, _block(SPEC))
+    assert torch.equal(decode_block(data, SPEC)[0], decoded)  # a reader without a key ignores the MAC
+    assert read_header(data).mac != bytes(32)
+
+
+@pytest.mark.parametrize(("offset", "reason"), [
+    (4, "invalid"), (8, "invalid"), (20, "invalid"), (33, "invalid"),  # version, shape, fingerprint, length
+    (15, "mac"),  # num_tokens 2 -> 3: a valid header, only the MAC can tell
+    (37, "checksum"), (HEADER_SIZE - 1, "mac"),  # the crc32; the MAC itself
+    (HEADER_SIZE, "mac"), (HEADER_SIZE + 17, "mac"), (-1, "mac"),  # payload, crc32 fixed up as a forger would
+])
+def test_one_tampered_byte_is_refused(offset: int, reason: str) -> None:
+    buf = bytearray(_signed())
+    buf[offset] ^= 0x01
+    if offset >= HEADER_SIZE or offset == -1:
+        struct.pack_into("<I", buf, 37, zlib.crc32(buf[HEADER_SIZE:]))
+    with pytest.raises(KVBlockError) as err:
+        decode_block(bytes(buf), SPEC, block_hash=HASH, mac_key=KEY)
+    assert err.value.reason == reason, err.value
+
+
+def test_payload_forged_with_a_valid_crc_is_refused_for_the_mac() -> None:
+    buf = bytearray(_signed())
+    buf[HEADER_SIZE + 5] ^= 0x80
+    struct.pack_into("<I", buf, 37, zlib.crc32(buf[HEADER_SIZE:]))
+    with pytest.raises(KVMacError, match="MAC does not verify") as err:
+        decode_block(buf, SPEC, block_hash=HASH, mac_key=KEY)
+    assert err.value.reason == "mac"
+    assert KEY.decode() not in str(err.value)
+
+
+def test_genuine_block_relabelled_under_another_hash_is_refused() -> None:
+    other = bytes(reversed(HASH))
+    with pytest.raises(KVMacError):
+        decode_block(_signed(), SPEC, block_hash=other, mac_key=KEY)
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(lambda: encode_block(_block(SPEC), SPEC, 2), id="unsigned"),
+    pytest.param(lambda: encode_block(_block(SPEC), SPEC, 2, block_hash=HASH, mac_key=b"x" * 32), id="other-key"),
+])
+def test_unsigned_or_foreign_blocks_are_refused_by_a_keyed_reader(data) -> None:
+    with pytest.raises(KVMacError):
+        decode_block(data(), SPEC, block_hash=HASH, mac_key=KEY)
+
+
+def test_signing_needs_the_hash() -> None:
+    with pytest.raises(KVBlockError, match="block_hash"):
+        encode_block(_block(SPEC), SPEC, 2, mac_key=KEY)

@@ -52,13 +52,30 @@ def test_limits_unit():
         SamplingParams(stop_token_ids=(3, -1))
 
 
+def test_id_and_character_limits_unit():
+    limits = RequestLimits(max_prompt_tokens=20, max_chars_per_token=4, max_id_chars=8)
+    ok = GenerationRequest("r", SamplingParams(), prompt="x", session_id="s" * 8, client_request_id="c" * 8)
+    limits.check_ids(ok)
+    with pytest.raises(ValueError, match=r"request_id \(HTTP: X-Request-Id\) has 9 characters.*--max-id-chars"):
+        limits.check_ids(replace(ok, client_request_id="c" * 9))
+    with pytest.raises(ValueError, match=r"session_id \(HTTP: user\) has 9 characters.*--max-id-chars"):
+        limits.check_ids(replace(ok, session_id="s" * 9))
+    limits.check_chars(80, context_window=100)  # 20 tokens x 4 characters
+    with pytest.raises(ValueError, match="81 characters, over this gateway's limit of 80.*--max-chars-per-token"):
+        limits.check_chars(81, context_window=100)
+    with pytest.raises(ValueError, match="limit of 40 \\(10 tokens"):  # the context window is the smaller bound
+        limits.check_chars(41, context_window=10)
+
+
 def test_limits_flags():
     import argparse
     parser = argparse.ArgumentParser()
     request_limits.add_arguments(parser)
     assert request_limits.limits_from_args(parser.parse_args([])) == RequestLimits()
-    args = parser.parse_args(["--max-tokens-limit", "7", "--max-request-bytes", "1000"])
-    assert request_limits.limits_from_args(args) == RequestLimits(max_tokens=7, max_request_bytes=1000)
+    args = parser.parse_args(["--max-tokens-limit", "7", "--max-request-bytes", "1000", "--max-id-chars", "9",
+                              "--http-header-timeout-s", "3"])
+    assert request_limits.limits_from_args(args) == RequestLimits(max_tokens=7, max_request_bytes=1000, max_id_chars=9,
+                                                                  http_header_timeout_s=3)
 
 
 def _sampling(**kw) -> common_pb2.SamplingParams:
@@ -96,7 +113,8 @@ async def _check_both_edges() -> None:
             for request, flag in [(generate(max_tokens=51), "--max-tokens-limit"),
                                   (generate(stop=["a", "b", "c"]), "--max-stop-strings"),
                                   (generate(stop=["123456789"]), "--max-stop-chars"),
-                                  (generate(long_prompt), "--max-prompt-tokens")]:
+                                  (generate(long_prompt), "--max-prompt-tokens"),
+                                  (generate("y" * 400), "--max-chars-per-token")]:  # over 20 tokens x 16
                 code, details = await _grpc_status(stub, "Generate", request)
                 assert code == invalid and flag in details, (flag, code, details)
             many = gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(role="user", content="x")] * 4,
@@ -112,7 +130,8 @@ async def _check_both_edges() -> None:
                                ({**chat, "stop": ["123456789"]}, "--max-stop-chars"),
                                ({**chat, "messages": chat["messages"] * 4}, "--max-messages"),
                                ({**chat, "messages": [{"role": "user", "content": long_prompt}]},
-                                "--max-prompt-tokens")]:
+                                "--max-prompt-tokens"),
+                               ({**chat, "messages": [{"role": "user", "content": "y" * 400}]}, "--max-chars-per-token")]:
                 async with session.post(url, json=body) as r:
                     assert r.status == 400 and flag in (await r.json())["error"]["message"], flag
             async with session.post(url, json={k: v for k, v in chat.items() if k != "max_tokens"}) as r:

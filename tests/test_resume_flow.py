@@ -1,25 +1,31 @@
 """The gateway's resume of a stream whose decode worker dies, against scripted decode workers on
 loopback: the exact Decode the replacement gets (prompt + every delivered token, max_tokens less
 them, resumed_tokens, local prefill, never the dead worker), every token delivered once, stop
-strings across the break, and the bound on resumes. The real-process version, with the engine's
-greedy output as reference, is tests/test_stack_faults.py."""
+strings across the break, the bound on resumes, a silent worker given up after the stall timeout,
+one retry of the budget per dead worker however many streams it had, and the HTTP request
+deadline. The real-process versions, with the engine's greedy output as reference, are
+tests/test_stack_faults.py and tests/test_decode_death.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
 import pytest
 
+from gateway import deadlines
 from gateway import server as gateway_server
+from gateway.deadlines import Deadlines
 from gateway.flow import GenerationRequest, ModelInfo, RequestFlow
 from gateway.limits import InflightLimit
 from gateway.resume import MAX_RESUMES
+from gateway.retry import RetryBudget, RetryBudgetConfig
 from gateway.targets import parse_target
 from gateway.worker_calls import decode_stub, prefill_stub
-from gateway.workers import WorkerPool
+from gateway.workers import WorkerEndpoint, WorkerPool
 from pdserve.grpc_server import ServiceError, start_server, stop_server
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
@@ -43,10 +49,12 @@ class Prefill(worker_pb2_grpc.PrefillWorkerServicer):
 class ScriptedDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose model continues `story` after `prompt`: it streams the story from where
     the request starts, and dies (UNAVAILABLE) after `die_after` chunks of a request while the
-    shared `deaths` budget lasts (each death spends one)."""
+    shared `deaths` budget lasts (each death spends one); then falls silent, without dying, while
+    the shared `hangs` budget lasts."""
 
-    def __init__(self, prompt: list[int], story: list[int], die_after: int, deaths: list[int]) -> None:
-        self.prompt, self.story, self.die_after, self.deaths = prompt, story, die_after, deaths
+    def __init__(self, prompt: list[int], story: list[int], die_after: int, deaths: list[int],
+                 hangs: list[int]) -> None:
+        self.prompt, self.story, self.die_after, self.deaths, self.hangs = prompt, story, die_after, deaths, hangs
         self.requests: list[worker_pb2.DecodeRequest] = []
 
     async def Prepare(self, request, context):
@@ -64,6 +72,9 @@ class ScriptedDecode(worker_pb2_grpc.DecodeWorkerServicer):
             if i == self.die_after and self.deaths[0] > 0:
                 self.deaths[0] -= 1
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
+            if i == self.die_after and self.hangs[0] > 0:
+                self.hangs[0] -= 1
+                await asyncio.Event().wait()  # until the gateway cancels the call
             yield worker_pb2.DecodeChunk(token_ids=[token], finish_reason="length" if i == n - 1 else "")
 
 
@@ -73,24 +84,26 @@ def model() -> ModelInfo:
 
 
 @asynccontextmanager
-async def flow_with(model: ModelInfo, workers: int, deaths: int, die_after: int = 3
-                    ) -> AsyncIterator[tuple[RequestFlow, list]]:
-    """A flow over one prefill worker and `workers` decode workers that die `deaths` times in all."""
+async def flow_with(model: ModelInfo, workers: int, deaths: int, die_after: int = 3, hangs: int = 0,
+                    limits: Deadlines | None = None) -> AsyncIterator[tuple[RequestFlow, list]]:
+    """A flow over one prefill worker and `workers` decode workers that die `deaths` times and
+    fall silent `hangs` times in all."""
     tok = model.tokenizer
     prompt, story = tok.encode(PROMPT), tok.encode(STORY, add_bos=False)
-    budget = [deaths]
-    decoders = [ScriptedDecode(prompt, story, die_after, budget) for _ in range(workers)]
+    budget, silences = [deaths], [hangs]
+    decoders = [ScriptedDecode(prompt, story, die_after, budget, silences) for _ in range(workers)]
     servers = [await start_server("127.0.0.1:0", lambda s, d=d: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(d, s),
                                   ["fake"]) for d in decoders]
     servers.append(await start_server("127.0.0.1:0", lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         Prefill(story[0]), s), ["fake"]))
     addresses = [f"127.0.0.1:{port}" for _, port in servers]
-    pools = [WorkerPool("prefill", [parse_target(addresses[-1])], prefill_stub),
-             WorkerPool("decode", [parse_target(a) for a in addresses[:-1]], decode_stub)]
+    # Probed at start only: a worker marked down by a failed call stays down for the whole test.
+    pools = [WorkerPool("prefill", [parse_target(addresses[-1])], prefill_stub, probe_interval_s=600),
+             WorkerPool("decode", [parse_target(a) for a in addresses[:-1]], decode_stub, probe_interval_s=600)]
     for pool in pools:
         await pool.start()
     try:
-        yield RequestFlow(model, *pools, None, InflightLimit(8)), decoders
+        yield RequestFlow(model, *pools, None, InflightLimit(8), deadlines=limits), decoders
     finally:
         for pool in pools:
             await pool.close()
@@ -148,4 +161,73 @@ def test_resumes_are_bounded(model: ModelInfo) -> None:
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
         assert f"lost {MAX_RESUMES + 1} decode workers" in str(err.value)
         assert sorted(len(d.requests) for d in decoders) == [0] + [1] * (MAX_RESUMES + 1)  # none twice
+    asyncio.run(scenario())
+
+
+def test_a_silent_decode_worker_is_given_up_after_the_stall_timeout(model: ModelInfo) -> None:
+    """Issue 15 item 7: a worker that stops sending without dying (its health checks pass) held
+    its streams until the client's deadline; after --decode-stall-timeout-s they resume elsewhere."""
+    async def scenario() -> None:
+        async with flow_with(model, 2, deaths=0, hangs=1, limits=Deadlines(decode_stall_s=1.0)) as (flow, decoders):
+            chunks = await asyncio.wait_for(_run(flow, max_tokens=12), 30)  # without the bound: a hang
+        story = model.tokenizer.encode(STORY, add_bos=False)
+        assert [t for c in chunks for t in c.token_ids] == story[:12]
+        [resumed] = [r for d in decoders for r in d.requests if r.local_prefill]
+        assert resumed.resumed_tokens == 4  # prefill's token + 3 chunks, then the silence
+    asyncio.run(scenario())
+
+
+def _decode_pool(workers: int, budget: RetryBudget) -> WorkerPool:
+    pool = WorkerPool("decode", [], decode_stub, retry_budget=budget)
+    pool.endpoints = [WorkerEndpoint("decode", f"w{i}:1", None, None, None, healthy=True, free_blocks=100,
+                                     total_blocks=100) for i in range(workers)]
+    return pool
+
+
+def test_one_dead_worker_is_one_retry_however_many_streams_it_had() -> None:
+    """Issue 15 item 3: each of a dead worker's streams spent a retry, and a third of them failed
+    "the retry budget is spent"."""
+    pool = _decode_pool(3, RetryBudget(RetryBudgetConfig(ratio=0.0, min_retries=1)))
+    dead, *alive = pool.endpoints
+    pool.mark_down(dead, "UNAVAILABLE: Socket closed")
+    for _ in range(32):  # its 32 streams resume: one incident, one retry
+        assert pool.pick_decode(1, {}, exclude=[dead], cause=dead) in alive
+    assert pool.retry_budget.denied == 0
+    # A flaky worker: up again, failed again, is a new incident, which asks the budget again.
+    dead.healthy = True
+    pool.mark_down(dead, "UNAVAILABLE: worker going away")
+    with pytest.raises(ServiceError, match="retry budget is spent"):
+        pool.pick_decode(1, {}, exclude=[dead], cause=dead)
+    # Known dead (its health checks failed): nothing new reaches it, its streams are not charged.
+    dead.unreachable = "health check: UNAVAILABLE"
+    assert pool.pick_decode(1, {}, exclude=[dead], cause=dead) in alive
+
+
+def test_an_http_request_has_a_deadline(model: ModelInfo) -> None:
+    """Issue 15 item 7: HTTP requests had no deadline, so a permanent hang never ended. Here the
+    decode worker falls silent with the stall timeout off: --http-timeout-s ends the request."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.http import create_app
+
+    body = {"model": "stories", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+
+    async def post(flow: RequestFlow, stream: bool) -> tuple[int, bytes]:
+        deadlines.use(Deadlines(http_request_s=1.0))
+        try:
+            app = create_app(flow, "stories")
+        finally:
+            deadlines.use(None)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/v1/completions", json={**body, "stream": stream})
+            return resp.status, await resp.read()
+
+    async def scenario() -> None:
+        async with flow_with(model, 1, deaths=0, hangs=2, limits=Deadlines(decode_stall_s=0)) as (flow, _):
+            status, whole = await asyncio.wait_for(post(flow, False), 30)  # without the deadline: a hang
+            assert status == 504 and "--http-timeout-s" in json.loads(whole)["error"]["message"]
+            status, streamed = await asyncio.wait_for(post(flow, True), 30)
+        assert status == 200 and b"[DONE]" not in streamed  # the first token came: the error is an event
+        last = json.loads(streamed.split(b"\n\n")[-2].removeprefix(b"data: "))
+        assert last["error"]["type"] == "timeout"
     asyncio.run(scenario())

@@ -11,7 +11,7 @@ from hf_reference import load_hf_gguf_tokenizer
 from pdserve.runtime.gguf_reader import load_gguf_tokenizer
 from pdserve.runtime.tokenizer import GGUFTokenizer, HFTokenizer, Tokenizer, default_chat_prompt
 
-GGUF = Path(__file__).resolve().parents[1].parent / "shared/models/stories260K/stories260K.gguf"
+GGUF = Path(__file__).resolve().parent / "fixtures/stories260K/stories260K.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason=f"test model {GGUF} not present")
 
 TEXTS = [

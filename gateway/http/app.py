@@ -2,6 +2,12 @@
 
 `create_app` wires the routes to `ApiHandlers`; `start_http` starts an `AppRunner` + `TCPSite` on
 the running loop (no second thread, no ASGI server) and returns an `HttpServer` to close.
+
+Slow clients: a connection must send a whole request head within --http-header-timeout-s of
+connecting (or of its last response), else it is closed. That is aiohttp's keep-alive timer, which
+starts when the connection opens and closes it if it is still waiting for a request head when the
+timer fires (bytes of a half-sent head do not reset it); a running request is never cut by it.
+The body has its own bound (handlers, --http-body-timeout-s).
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ def split_bind(bind: str) -> tuple[str, int]:
     host, sep, port = bind.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"HTTP bind address must be host:port, got {bind!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 async def start_http(app: web.Application, bind: str, grace_s: float = 5.0) -> HttpServer:
@@ -82,7 +88,9 @@ async def start_http(app: web.Application, bind: str, grace_s: float = 5.0) -> H
     host, port = split_bind(bind)
     # handler_cancellation: a client that disconnects cancels its handler, and with it the
     # request's downstream calls (the default would let it run on, holding KV, until the next write).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
+    # keepalive_timeout: the slow-header bound (module docstring); aiohttp's default is an hour.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
+                           keepalive_timeout=request_limits.current().http_header_timeout_s)
     await runner.setup()
     config = tls.current()  # HTTPS with the process's certificate when it has one (pdserve.tls)
     site = web.TCPSite(runner, host, port, ssl_context=config.http_ssl_context() if config.serves_tls else None)

@@ -4,7 +4,7 @@
 
 `api_error_of` turns whatever a handler or the request flow raised into an `ApiError`:
 ValueError (bad prompt, bad sampling value) -> 400, `ServiceError` by its gRPC code
-(RESOURCE_EXHAUSTED -> 429, UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, ...), aiohttp's own
+(RESOURCE_EXHAUSTED -> 429, ALREADY_EXISTS -> 409, UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, ...), aiohttp's own
 HTTP errors (unknown route, wrong method, body too large) keep their status; anything else is
 logged with its traceback here and answered 500 without one. The `openai_errors` middleware
 applies it to every response that has not started; a stream that has started reports the same
@@ -53,6 +53,7 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", None),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),  # gateway.request_ids
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "timeout"),

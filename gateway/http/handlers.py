@@ -16,20 +16,33 @@ KV. Each request runs inside `gateway.observe.observe_request`, like a gRPC one,
 metrics (pdserve_requests_total{status}, TTFT, TPOT, ...), the request span and the SLO monitor
 cover both APIs; a request refused at the HTTP edge (bad field, unknown model, prompt too long)
 never reaches the flow and shows only in pdserve_gateway_http_requests_total.
+
+A client may name its request with an `X-Request-Id` header (at most --max-id-chars): it is echoed
+in the response's X-Request-Id and id and held per API key while the request runs (another with
+the same id: 409, gateway.request_ids); without one the gateway's own id is echoed. A body must
+arrive within --http-body-timeout-s (408 otherwise).
+
+Every request has a deadline, --http-timeout-s from its start (gateway.deadlines): the flow gives
+each downstream call the time left, and a request that runs out ends with 504 (type "timeout")
+naming the flag, or with that error as the stream's last event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from importlib import resources
 
+import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from gateway import request_limits
+from gateway import deadlines
 from gateway.deployments import Catalog, Route, UnknownModel
 from gateway.flow import GenerationRequest, RequestFlow
 from gateway.http.errors import ApiError, api_error_of, json_dumps
@@ -38,9 +51,12 @@ from gateway.http.openai_schema import (ApiRequest, chunk_json, completion_json,
 from gateway.http.sse import SSEWriter
 from gateway.observe import RequestObserver, observe_request
 from gateway.output import OutputChunk
+from gateway.request_ids import IDS, RequestIds, tenant_of
 from gateway.slo import SloMonitor
+from pdserve.grpc_server import ServiceError
 
 DEPLOYMENT_HEADER = "X-Pdserve-Deployment"  # the deployment (an experiment's arm) that served the request
+REQUEST_ID_HEADER = "X-Request-Id"  # the client's id of its request (request), echoed (response)
 
 # The chat page's Content-Security-Policy: everything it needs is inline or from this origin,
 # so the browser refuses any third-party fetch (no CDN can sneak in).
@@ -48,9 +64,13 @@ PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-i
             "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'")
 
 
-def no_deadline() -> float | None:
-    """HTTP requests carry no deadline; the flow's calls then run without a timeout."""
-    return None
+def deadline_in(seconds: float) -> Callable[[], float | None]:
+    """The flow's `time_remaining` for a request that may take `seconds` from now (0: no bound).
+    HTTP clients send no deadline; without one a hung worker would hold the request forever."""
+    if not seconds:
+        return lambda: None
+    end = time.monotonic() + seconds
+    return lambda: end - time.monotonic()
 
 
 def load_page() -> bytes:
@@ -61,30 +81,42 @@ def load_page() -> bytes:
 class ApiHandlers:
     """Serves the OpenAI-compatible endpoints, health, metrics and the chat page."""
 
-    def __init__(self, catalog: Catalog, slo: SloMonitor | None = None) -> None:
+    def __init__(self, catalog: Catalog, slo: SloMonitor | None = None, ids: RequestIds = IDS) -> None:
         self.catalog = catalog
+        self.limits = request_limits.current()  # as the app was made with (its body size limit too)
+        self.ids = ids
         self.slo = slo  # the gRPC servicer's, so that one SLO window sees both APIs
+        self.timeout_s = deadlines.current().http_request_s  # each request's total bound (--http-timeout-s)
         self.created = int(time.time())
         self.page = load_page()
 
     # ---- completions ----------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, parse_chat(await _json_body(request)))
+        return await self._complete(request, parse_chat(await _json_body(request, self.limits.http_body_timeout_s)))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._complete(request, parse_completion(await _json_body(request)))
+        body = await _json_body(request, self.limits.http_body_timeout_s)
+        return await self._complete(request, parse_completion(body))
 
     async def _complete(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
+        """Check the client's ids, hold its request id while the request runs (`_serve`)."""
+        client_id = request.headers.get(REQUEST_ID_HEADER, "")
+        api = dataclasses.replace(api, request=dataclasses.replace(api.request, client_request_id=client_id))
+        self.limits.check_ids(api.request)  # ValueError: 400
+        with self.ids.claim(tenant_of(request.headers.get("Authorization")), api.request):  # 409 when in flight
+            return await self._serve(request, api)
+
+    async def _serve(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
         route = self._route(api.model, api.request)
-        gen = self._fit(api, route.deployment.flow)
-        headers = {"X-Request-Id": gen.request_id}
+        gen = await self._fit(api, route.deployment.flow)
+        headers = {REQUEST_ID_HEADER: gen.public_id}
         sse: SSEWriter | None = None
         try:
             # The same request metrics, span and SLO feed as a gRPC request (gateway.observe): the
             # exception leaving this block (or none) is the status it records.
-            with observe_request(gen.request_id, gen.session_id, self.slo) as obs:
-                stream = self.catalog.run(route, gen, no_deadline)
+            with observe_request(gen.public_id, gen.session_id, self.slo) as obs:
+                stream = self.catalog.run(route, gen, deadline_in(self.timeout_s))
                 async with aclosing(stream):  # however we leave, the flow's downstream calls end
                     chunks = _observed(stream, obs)
                     first = await anext(chunks, None)  # errors up to the first token keep their status
@@ -98,13 +130,21 @@ class ApiHandlers:
                     await self._send_events(sse, api, first, chunks)
             return await sse.done()
         except Exception as exc:  # noqa: BLE001 - re-raised unless the stream has started
+            error = self._timed_out(exc) or exc
             if sse is None or not sse.response.prepared:
-                raise  # openai_errors answers it with its status
+                raise error from None  # openai_errors answers it with its status
             # 200 is on the wire already: the error is the stream's last event (no [DONE]).
-            await sse.send(api_error_of(exc).body())
+            await sse.send(api_error_of(error).body())
             return sse.response
 
-    def _fit(self, api: ApiRequest, flow: RequestFlow) -> GenerationRequest:
+    def _timed_out(self, exc: Exception) -> ApiError | None:
+        """A 504 naming the HTTP timeout when the flow ran out of this request's time."""
+        if not (isinstance(exc, ServiceError) and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED and self.timeout_s):
+            return None
+        return ApiError(504, f"the request did not finish within the gateway's HTTP timeout of {self.timeout_s:g} s"
+                             f" (--http-timeout-s): {exc}", type="timeout", code="timeout")
+
+    async def _fit(self, api: ApiRequest, flow: RequestFlow) -> GenerationRequest:
         """The request with max_tokens filled in: what was asked, else all the room the context
         leaves after the prompt (OpenAI's default); 400 when the prompt and max_tokens do not fit."""
         req = api.request
@@ -112,7 +152,7 @@ class ApiHandlers:
             # With max_tokens=1 the flow's own check fails only for a prompt that alone fills the
             # window; the fit with the real max_tokens is checked below, naming the right field.
             probe = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_tokens=1))
-            prompt_len = len(flow.tokenize(probe))
+            prompt_len = len(await flow.tokenize(probe))
         except ValueError as err:
             raise ApiError(400, str(err), param=api.prompt_param,
                            code="context_length_exceeded" if "context window" in str(err) else None) from None
@@ -207,8 +247,9 @@ class ApiHandlers:
 
     async def feedback(self, request: web.Request) -> web.Response:
         """POST /v1/feedback {"request_id", "score", "comment"?}: join a client's score to its request."""
-        request_id, score = parse_feedback(await _json_body(request))
-        experiment, arm, reward = self.catalog.feedback(request_id, score)  # 404 / 400 via openai_errors
+        request_id, score = parse_feedback(await _json_body(request, self.limits.http_body_timeout_s))
+        gateway_id = self.ids.resolve(tenant_of(request.headers.get("Authorization")), request_id)
+        experiment, arm, reward = self.catalog.feedback(gateway_id, score)  # 404 / 400 via openai_errors
         return web.json_response({"request_id": request_id, "experiment": experiment, "arm": arm,
                                   "reward": reward, "pending": reward is None}, dumps=json_dumps)
 
@@ -258,9 +299,15 @@ def parse_feedback(body: object) -> tuple[str, float]:
     return request_id, float(score)
 
 
-async def _json_body(request: web.Request) -> object:
+async def _json_body(request: web.Request, timeout_s: float) -> object:
     try:
-        return json.loads(await request.read())
+        async with asyncio.timeout(timeout_s):  # a client trickling its body must not hold a handler
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
+                            "(--http-body-timeout-s); send it at once", headers={"Connection": "close"}) from None
+    try:
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
     except RecursionError:  # json's decoder recurses once per nesting level

@@ -14,7 +14,6 @@ objects, and for streams `chat.completion.chunk` / `text_completion` chunks.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,6 +21,7 @@ from typing import Any, Literal
 from gateway.flow import GenerationRequest
 from gateway.http.errors import ApiError
 from gateway.output import Usage
+from gateway.request_ids import new_id
 from pdserve.runtime.sampling_params import SamplingParams
 
 Kind = Literal["chat", "completion"]
@@ -55,7 +55,7 @@ class ApiRequest:
 
     @property
     def response_id(self) -> str:
-        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request.request_id
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request.public_id
 
     @property
     def prompt_param(self) -> str:
@@ -95,7 +95,7 @@ def _api_request(kind: Kind, body: Mapping[str, Any], max_tokens: int | None, *,
     if user is not None and not isinstance(user, str):
         raise ApiError(400, "user must be a string", param="user")
     sampling = _sampling(body, max_tokens or 1)
-    request = GenerationRequest(uuid.uuid4().hex, sampling, prompt=prompt, messages=messages,
+    request = GenerationRequest(new_id(), sampling, prompt=prompt, messages=messages,
                                 session_id=user or "")
     return ApiRequest(kind, model, request, max_tokens, stream, include_usage)
 

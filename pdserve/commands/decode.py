@@ -11,7 +11,7 @@ HELP = "run a decode worker (loads KV from the kvstore, batches decoding, stream
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.engine_args import add_worker_args
 
-    add_worker_args(p, default_bind="0.0.0.0:50062")
+    add_worker_args(p, default_bind="127.0.0.1:50062")
 
 
 def run(args: argparse.Namespace) -> int:

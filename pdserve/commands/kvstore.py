@@ -11,10 +11,12 @@ import sys
 NAME = "kvstore"
 HELP = "run the KV store service (content-addressed KV blocks, LRU, leases, optional Redis tier)"
 BACKEND_ENV = "PDSERVE_KV_BACKEND"  # default of --kv-backend
+DEFAULT_BIND = "127.0.0.1:50070"  # loopback unless told otherwise (as kvstore.server)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bind", default="0.0.0.0:50070", help="host:port to serve gRPC on")
+    p.add_argument("--bind", default=DEFAULT_BIND, help="host:port to serve gRPC on (default loopback only; "
+                   "0.0.0.0:50070 serves every interface)")
     add_store_arguments(p)
 
 

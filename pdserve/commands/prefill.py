@@ -11,7 +11,7 @@ HELP = "run a prefill worker (computes prompt KV, writes it to the kvstore)"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.engine_args import add_worker_args
 
-    add_worker_args(p, default_bind="0.0.0.0:50061")
+    add_worker_args(p, default_bind="127.0.0.1:50061")
 
 
 def run(args: argparse.Namespace) -> int:

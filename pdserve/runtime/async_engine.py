@@ -19,6 +19,14 @@ from many traces, so it has no parent: it is a root span with a *link* to the sp
 that got a token from it (parenting it to one request would misattribute the others' time, and a
 span per request per step is what "never one span per token" rules out). With tracing off none of
 this builds a span object: `telemetry.enabled()` is checked first.
+
+Failure: an engine step that raises, a command that raises an internal error (anything but the
+request errors ValueError, KeyError and QueueFullError: a KVLeakError means the block accounting
+is corrupt), or a fire-and-forget command that raises marks the engine *failed*: every open
+request and every later call gets EngineDeadError (UNAVAILABLE at the worker's edge) naming the
+first failure, and the `on_failure` listeners hear of it once (the worker turns its health
+NOT_SERVING). Cleanup commands (`call_soon`, aborts) still run, so the accounting stays as right
+as it can. `inject_fault_for_tests` (PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS) fails a step on purpose.
 """
 
 from __future__ import annotations
@@ -33,10 +41,12 @@ from typing import Any, TypeVar
 
 from pdserve import telemetry
 from pdserve.runtime import engine_metrics
-from pdserve.runtime.engine import Engine, QueueFullError, StepOutput
+from pdserve.runtime.engine import Engine, QueueFullError, RequestError, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# What a command may raise about its request without the engine being at fault.
+REQUEST_ERRORS = (ValueError, KeyError, QueueFullError)
 
 
 class EngineDeadError(RuntimeError):
@@ -58,6 +68,9 @@ class AsyncEngine:
         # `add` closures, read on the engine thread: single dict operations, safe under the GIL.
         self._trace_ctx: dict[str, Any] = {}
         self._entered_at: dict[str, float] = {}
+        self.failure: str | None = None  # why the engine failed; None while it is healthy
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._fault_at_step: int | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> "AsyncEngine":
@@ -73,6 +86,33 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Calls `listener(reason)` once when the engine fails (at once if it has failed already).
+        It runs on whichever thread saw the failure: hand it to a loop with call_soon_threadsafe."""
+        self._failure_listeners.append(listener)
+        if self.failure is not None:
+            listener(self.failure)
+
+    def inject_fault_for_tests(self, after_steps: int) -> None:
+        """Tests only: the first engine step after `after_steps` more steps raises, as a bug would."""
+        self._fault_at_step = self.engine.stats.steps + after_steps
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = reason
+        log.error("engine failed (%s): refusing new requests, health reports NOT_SERVING", reason)
+        self._fail_all(self._dead_error())
+        for listener in self._failure_listeners:
+            try:
+                listener(reason)
+            except Exception:  # noqa: BLE001 - e.g. its loop closed at shutdown; the engine thread goes on
+                log.exception("engine failure listener failed")
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"this worker's engine failed ({self.failure}); it reports NOT_SERVING"
+                               " until restarted: send the request to another worker")
+
     # ---- the asyncio side ---------------------------------------------------------------
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps and returns its result."""
@@ -82,6 +122,12 @@ class AsyncEngine:
         def run() -> None:
             try:
                 result = fn(self.engine)
+            except REQUEST_ERRORS as exc:
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            except Exception as exc:  # noqa: BLE001 - an engine bug: fail the engine, not just this call
+                log.exception("engine command failed")
+                self._fail(f"{type(exc).__name__}: {exc}")
+                loop.call_soon_threadsafe(_settle, future, None, self._dead_error())
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
@@ -89,6 +135,18 @@ class AsyncEngine:
 
         self._submit(run)
         return await future
+
+    def call_soon(self, fn: Callable[[Engine], Any]) -> None:
+        """Runs `fn(engine)` on the engine thread without waiting for it, even on a failed engine.
+
+        For releases: submitting is synchronous, so a caller being cancelled cannot lose one (an
+        awaited call would still run, but its caller could not act on the outcome). An error
+        fails the engine (see the module docstring). A no-op once the engine thread has stopped:
+        nothing is left to release then."""
+        try:
+            self._submit(lambda: fn(self.engine), cleanup=True)
+        except EngineDeadError:
+            log.debug("engine stopped: cleanup command dropped")
 
     async def generate(self, request_id: str, add: Callable[[Engine], Any]) -> AsyncIterator[list[StepOutput]]:
         """Adds a request with `add(engine)` and yields its outputs until it finishes.
@@ -100,11 +158,14 @@ class AsyncEngine:
         if self.max_streams is not None and len(self._streams) >= self.max_streams:
             raise QueueFullError(f"worker has {len(self._streams)} requests open, its limit "
                                  "(--max-waiting + --max-batch-size): retry later")
+        if request_id in self._streams:  # its outputs, and the abort on leaving, would hit the other one
+            raise RequestError(f"request id {request_id!r} is already running on this worker")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        admission = _Admission()
         finished = False
         try:
-            await self._admit(request_id, add)
+            await self._admit(request_id, add, admission)
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
@@ -119,12 +180,15 @@ class AsyncEngine:
             self._trace_ctx.pop(request_id, None)
             self._entered_at.pop(request_id, None)
             if not finished:
-                self._submit(lambda: self.engine.abort(request_id))
+                # Runs after `add` (commands run in order), also when this caller was cancelled
+                # while `add` was still on its way; a refused `add` left nothing to abort.
+                self._submit(lambda: admission.added and self.engine.abort(request_id), cleanup=True)
 
-    async def _admit(self, request_id: str, add: Callable[[Engine], Any]) -> None:
+    async def _admit(self, request_id: str, add: Callable[[Engine], Any], admission: "_Admission") -> None:
         """Runs `add` on the engine thread, noting when the request entered (and, when tracing, a span)."""
         def timed_add(engine: Engine) -> Any:
             result = add(engine)
+            admission.added = True
             self._entered_at[request_id] = time.perf_counter()
             return result
 
@@ -137,9 +201,11 @@ class AsyncEngine:
         with telemetry.tracer().start_as_current_span("engine.admit", attributes={"pdserve.request_id": request_id}):
             await self.call(timed_add)
 
-    def _submit(self, command: Callable[[], None]) -> None:
+    def _submit(self, command: Callable[[], Any], cleanup: bool = False) -> None:
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("the engine is not running")
+        if self.failure is not None and not cleanup:
+            raise self._dead_error()
         self._commands.put(command)
         self._wake.set()
 
@@ -166,7 +232,11 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception as exc:  # noqa: BLE001 - a fire-and-forget command (abort, release) broke
+                log.exception("engine command failed")
+                self._fail(f"{type(exc).__name__}: {exc}")
 
     def _step(self) -> bool:
         """One engine step, its outputs delivered; False when it had nothing to run."""
@@ -175,10 +245,11 @@ class AsyncEngine:
         start_ns = time.time_ns()
         start = time.perf_counter()
         try:
+            self._maybe_inject_fault()
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a bug must fail requests, not hang them
             log.exception("engine step failed; aborting its requests")
-            self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
+            self._fail(f"engine step failed: {type(exc).__name__}: {exc}")
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
             return True
@@ -191,6 +262,10 @@ class AsyncEngine:
         for loop, deliveries in by_loop.items():  # one wake-up of each loop per step
             loop.call_soon_threadsafe(_deliver, deliveries)
         return self.engine.stats.steps != steps_before
+
+    def _maybe_inject_fault(self) -> None:
+        if self._fault_at_step is not None and self.engine.stats.steps >= self._fault_at_step:
+            raise RuntimeError("fault injected for tests (inject_fault_for_tests)")
 
     def _record_step(self, outputs: list[StepOutput], counts_before: dict[int, int],
                      start: float, start_ns: int) -> None:
@@ -226,6 +301,15 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for loop, outputs_queue in list(self._streams.values()):
             loop.call_soon_threadsafe(outputs_queue.put_nowait, exc)
+
+
+class _Admission:
+    """Whether a request's `add` ran on the engine thread and succeeded (written there only)."""
+
+    __slots__ = ("added",)
+
+    def __init__(self) -> None:
+        self.added = False
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, StepOutput]]) -> None:

