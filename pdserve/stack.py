@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 import grpc
 
 from pdserve.cli import build_parser
-from pdserve.commands.up import Child, Supervisor, free_port, plan
+from pdserve.commands.up import plan
+from pdserve.ports import free_port
+from pdserve.supervisor import Child, Supervisor
 from pdserve.v1 import gateway_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 

@@ -18,6 +18,9 @@ STORIES_GGUF = REPO / "tests" / "fixtures" / "stories260K" / "stories260K.gguf" 
 # The fast test model is the default of every process the tests start (stacks, CLIs): served
 # without --model they would load SmolLM2, 100x larger. Tests of SmolLM2 pass its path explicitly.
 os.environ["PDSERVE_MODEL"] = str(STORIES_GGUF)
+# And fp32 everywhere: "auto" would pick bf16 on CPUs with AVX512-BF16, and the tests compare stacks
+# with fp32 in-process engines. Tests of bf16 ask for it.
+os.environ["PDSERVE_DTYPE"] = "float32"
 
 
 def model_config_from_hf(hf_config, architecture: str) -> ModelConfig:

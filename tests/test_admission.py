@@ -225,7 +225,7 @@ FLOOD = 24
 def overloaded_stack():
     """A stack whose admission SLO (1 ms) no request can meet: once it has measured a few, it
     refuses everything; the ones it measured (while learning) must still be correct."""
-    from pdserve.commands.up import free_port
+    from pdserve.ports import free_port
     from pdserve.stack import start_stack
 
     stack = start_stack(1, 1, "--http-port", str(free_port()), env={"PDSERVE_ADMISSION_TTFT_SLO_MS": "1"})

@@ -23,7 +23,7 @@ import aiohttp
 import openai
 import pytest
 
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 from pdserve.stack import start_stack
 
 CHROMIUM = Path("/usr/bin/chromium")

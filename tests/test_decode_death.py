@@ -109,7 +109,11 @@ class Streams:
         errors = [e for e in self.errors if e]
         assert not errors, f"{len(errors)} of {len(self.got)} streams failed, e.g. {errors[0]}"
         wrong = [i for i, (p, g) in enumerate(zip(self.prompts, self.got)) if g != reference[(p, self.tokens)]]
-        assert not wrong, f"{len(wrong)} streams differ from the reference, e.g. stream {wrong[0]}"
+        if wrong:
+            got, want = self.got[wrong[0]], reference[(self.prompts[wrong[0]], self.tokens)]
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise AssertionError(f"{len(wrong)} streams differ from the reference, e.g. stream {wrong[0]}: "
+                                 f"{len(got)} tokens, not {len(want)}, first difference at token {at}")
 
 
 def _healthy_decode(stack) -> int:

@@ -28,10 +28,20 @@ def gguf_tok() -> Tokenizer:
     return load_gguf_tokenizer(GGUF)
 
 
-@pytest.fixture(scope="module", params=["gguf", "hf"])
+@pytest.fixture(scope="module")
+def bpe_tok() -> Tokenizer:
+    """SmolLM2's byte-level BPE (a character's bytes spread over tokens, no leading-space rule)."""
+    from conftest import smollm2_path
+
+    return load_gguf_tokenizer(smollm2_path())
+
+
+@pytest.fixture(scope="module", params=["gguf", "hf", "bpe"])
 def tok(request: pytest.FixtureRequest, gguf_tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     if request.param == "gguf":
         return gguf_tok
+    if request.param == "bpe":
+        return request.getfixturevalue("bpe_tok")
     tmp = tmp_path_factory.mktemp("hf_tok")
     load_hf_gguf_tokenizer(GGUF, tmp).save_pretrained(tmp / "dir")
     return HFTokenizer.from_directory(tmp / "dir")
@@ -85,7 +95,15 @@ def test_random_token_sequences(gguf_tok: Tokenizer) -> None:
         full = gguf_tok.decode([*prompt, *generated])
         prompt_text = gguf_tok.decode(prompt)
         if not prompt_text.endswith("\ufffd") and full.startswith(prompt_text):
-            assert "".join(pieces) == full[len(prompt_text):], (prompt, generated)
+            assert_same_text("".join(pieces), full[len(prompt_text):])
+
+
+def assert_same_text(streamed: str, full: str) -> None:
+    """Equal, but where the full decode has U+FFFD: `tokenizers` (ByteFallback) replaces every byte of
+    a run of byte tokens that is not valid UTF-8, an ASCII byte among them too; a window that cuts
+    the run apart shows that byte. Only random (invalid) bytes differ so; valid text is exact."""
+    assert len(streamed) == len(full), (streamed, full)
+    assert all(a == b or b == "\ufffd" for a, b in zip(streamed, full)), (streamed, full)
 
 
 def test_special_tokens_inside_generation(gguf_tok: Tokenizer) -> None:
@@ -150,3 +168,21 @@ def test_finish_flushes_incomplete_character(gguf_tok: Tokenizer) -> None:
     shown = "".join(detok.add([t]) for t in ids[:-1])
     assert "\ufffd" not in shown
     assert shown + detok.finish() == gguf_tok.decode([1, *ids[:-1]])
+
+
+def test_byte_level_characters_split_over_tokens(bpe_tok: Tokenizer) -> None:
+    """Emoji and CJK whose UTF-8 bytes byte-level BPE cuts between tokens: nothing shows half a character."""
+    text = " 日本語 😀🎉 👨‍👩‍👧 한국어 ∑"
+    generated = bpe_tok.encode(text)
+    assert any("\ufffd" in bpe_tok.decode([t]) for t in generated)  # some token is part of a character
+    detok = IncrementalDetokenizer(bpe_tok, bpe_tok.encode("Hi"))
+    pieces = [detok.add([t]) for t in generated]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.finish() == text
+
+
+def test_byte_level_special_tokens_mid_stream(bpe_tok: Tokenizer) -> None:
+    prompt = bpe_tok.encode("<|im_start|>assistant\n")
+    generated = [*bpe_tok.encode("Paris."), 2, *bpe_tok.encode(" Done")]  # 2 is <|im_end|>
+    pieces, _ = stream(bpe_tok, prompt, generated)
+    assert "".join(pieces) == "Paris. Done"

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import STORIES_GGUF
 from pdserve.cli import build_parser
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.block_hash import prompt_block_hashes

@@ -14,7 +14,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fuzz_support import FUZZ, assert_still_healthy, expected, stack_fixture  # noqa: F401 (fixture)
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 
 MODEL = "stories260K"
 ENDPOINTS = {"/v1/completions": "prompt", "/v1/chat/completions": "messages"}

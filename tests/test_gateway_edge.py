@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway import request_limits
 from gateway import server as gateway_server
 from gateway.request_limits import RequestLimits
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from gateway import server as gateway_server
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2
 

@@ -23,7 +23,7 @@ import torch
 
 from kvstore.redis_tier import block_key
 from pdserve import internal_auth, kv_mac
-from pdserve.commands.up import free_port, port_in_use
+from pdserve.ports import free_port, port_in_use
 from pdserve.kvwire import BlockSpec, encode_block
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine

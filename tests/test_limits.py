@@ -19,7 +19,7 @@ from gateway import request_limits
 from gateway import server as gateway_server
 from gateway.flow import GenerationRequest
 from gateway.request_limits import RequestLimits
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

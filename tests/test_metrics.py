@@ -158,7 +158,7 @@ def test_gateway_servicer_counts_statuses_and_in_flight() -> None:
 
 def test_metrics_over_http_when_the_port_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve import grpc_server
-    from pdserve.commands.up import free_port
+    from pdserve.ports import free_port
 
     port = free_port()
     monkeypatch.setenv(grpc_server.METRICS_PORT_ENV, str(port))

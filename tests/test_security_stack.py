@@ -26,7 +26,7 @@ from conftest import STORIES_GGUF
 from gateway import auth
 from gateway import server as gateway_server
 from pdserve import internal_auth, log_privacy, tls
-from pdserve.commands.up import free_port
+from pdserve.ports import free_port
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams

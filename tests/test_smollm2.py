@@ -2,7 +2,7 @@
 
 transformers dequantizes the file to fp32 with its own code; we dequantize with gguf's. The reference
 model and its outputs are made once per module (`reference`); the checkpoint once per session.
-Prompts run one at a time: each sequence's logits are compared with an unbatched reference.
+Our prompts run as one batch; each sequence's logits are compared with an unbatched reference.
 """
 
 from __future__ import annotations
@@ -53,16 +53,20 @@ def engine(smollm2):
     e.check_leaks()
 
 
-def our_greedy(engine: Engine, prompt: list[int], keep_logits: bool) -> tuple[list[int], torch.Tensor | None]:
-    engine.keep_logits = keep_logits
-    engine.add_request("ref", prompt, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True))
-    rows, seq = [], engine.seqs["ref"]
-    while engine.has_unfinished():
-        engine.step()
-        if keep_logits and len(rows) <= LOGIT_STEPS:
-            rows.append(engine.last_logits[0].clone())
-    engine.keep_logits = False
-    return list(seq.output_ids), torch.stack(rows) if rows else None
+def our_greedy(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """All prompts in one batch, GREEDY_TOKENS each; logits [1 + LOGIT_STEPS, V] of the first ones."""
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(f"ref-{i}", p, params) for i, p in enumerate(prompts)]
+    rows: dict[str, list[torch.Tensor]] = {f"ref-{i}": [] for i in range(LOGIT_PROMPTS)}
+    engine.keep_logits = True
+    try:
+        while engine.has_unfinished():
+            for row, out in enumerate(engine.step()):  # logits rows follow the step's outputs
+                if len(rows.get(out.request_id, ())) <= LOGIT_STEPS and out.request_id in rows:
+                    rows[out.request_id].append(engine.last_logits[row].clone())
+    finally:
+        engine.keep_logits = False
+    return [list(s.output_ids) for s in seqs], [torch.stack(r) for r in rows.values()]
 
 
 @pytest.fixture(scope="module")
@@ -70,27 +74,17 @@ def reference(engine, smollm2, tmp_path_factory: pytest.TempPathFactory) -> Refe
     """One transformers forward per prompt over prompt + our greedy tokens (teacher forcing): its argmax
     equal to our next token everywhere is the same as its greedy generation equal to ours, and far
     cheaper than `generate` on a busy 2-core machine."""
-    hf = load_hf_gguf_model(smollm2_path(), tmp_path_factory.mktemp("smollm2"))
     prompts = [chat_ids(smollm2.tokenizer, q) for q in QUESTIONS]
-    ref = Reference(prompts, [], [], [], [])
-    for i, prompt in enumerate(prompts):
-        ours, logits = our_greedy(engine, prompt, keep_logits=i < LOGIT_PROMPTS)
+    ours, ours_logits = our_greedy(engine, prompts)
+    hf = load_hf_gguf_model(smollm2_path(), tmp_path_factory.mktemp("smollm2"))
+    ref = Reference(prompts, ours, ours_logits, [], [])
+    for i, (prompt, out) in enumerate(zip(prompts, ours)):
         with torch.no_grad():
-            hf_logits = hf(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:].float()  # [64, V]
-        ref.ours.append(ours)
-        ref.hf_next.append(hf_logits.argmax(-1).tolist())
-        if logits is not None:
-            ref.ours_logits.append(logits)
-            ref.hf_logits.append(hf_logits[:1 + LOGIT_STEPS])
+            logits = hf(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:].float()  # [64, V]
+        ref.hf_next.append(logits.argmax(-1).tolist())
+        if i < LOGIT_PROMPTS:
+            ref.hf_logits.append(logits[:1 + LOGIT_STEPS])
     return ref
-
-
-def test_config_of_the_file(smollm2) -> None:
-    c = smollm2.config
-    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == \
-        (30, 576, 9, 3, 64, 1536)
-    assert (c.vocab_size, c.rope_theta, c.max_position_embeddings, c.tie_word_embeddings) == (49152, 1e5, 8192, True)
-    assert smollm2.tokenizer.eos_ids == (2,) and not smollm2.tokenizer.add_bos  # 2 is <|im_end|>
 
 
 def test_logits_match_transformers_prefill_and_16_decode_steps(reference) -> None:

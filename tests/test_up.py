@@ -16,7 +16,9 @@ import grpc
 import pytest
 
 from pdserve.cli import build_parser
-from pdserve.commands.up import ChildSpec, StartupError, Supervisor, describe_exit, plan, port_in_use
+from pdserve.commands.up import plan
+from pdserve.ports import port_in_use
+from pdserve.supervisor import ChildSpec, StartupError, Supervisor, describe_exit
 from pdserve.healthcheck import is_serving
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

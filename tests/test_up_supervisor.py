@@ -20,7 +20,7 @@ from conftest import STORIES_GGUF
 from test_up import _alive, _descendants, _free_port, _read_ready_line, _wait_gone
 
 from pdserve import parent_watch
-from pdserve.commands.up import ChildSpec, RestartPolicy, Supervisor
+from pdserve.supervisor import ChildSpec, RestartPolicy, Supervisor
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ SUPERVISED_CHILD = ("from pdserve import parent_watch; parent_watch.arm(); "
 SUPERVISOR_SCRIPT = """
 import subprocess, sys, threading, time
 from pdserve import parent_watch
-from pdserve.commands.up import ChildSpec, Supervisor
+from pdserve.supervisor import ChildSpec, Supervisor
 mode, child_code = sys.argv[1], sys.argv[2]
 if mode == "pipe":
     sup, started = Supervisor(grace_s=1), []
@@ -234,3 +234,49 @@ def test_a_child_failing_at_start_up_still_fails_up_with_its_output(tmp_path: Pa
     assert re.search(r"pdserve up: (prefill|decode)-0 \(\S+\) exited with code \d+ while starting up; "
                      r"its last output:\n", done.stderr), done.stderr[-3000:]
     assert "restarting it" not in done.stderr
+
+
+# A child serving grpc.health.v1 that says NOT_SERVING while the file argv[2] exists (as a worker
+# whose engine failed does for good), SERVING otherwise.
+NOT_SERVING_CHILD = """
+import asyncio, os, sys, grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+async def main():
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(sys.argv[1])
+    await server.start()
+    while True:
+        failed = os.path.exists(sys.argv[2])
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if failed else health_pb2.HealthCheckResponse.SERVING
+        await servicer.set("", status)
+        await asyncio.sleep(0.05)
+asyncio.run(main())
+"""
+
+
+def test_a_child_answering_not_serving_is_killed_and_restarted(tmp_path: Path, capfd) -> None:
+    address, flag = f"127.0.0.1:{_free_port()}", tmp_path / "engine-failed"
+    spec = ChildSpec("failing", address, (sys.executable, "-c", NOT_SERVING_CHILD, address, str(flag)))
+    sup = Supervisor(grace_s=1, restart=RestartPolicy(first_delay_s=0.05, not_serving_restart_s=0.5,
+                                                      health_every_s=0.1))
+    child = sup.start(spec)
+    watcher = threading.Thread(target=sup.watch, daemon=True)
+    try:
+        assert sup.wait_serving([child], timeout_s=60)
+        watcher.start()
+        flag.touch()  # the child now answers NOT_SERVING
+        child.proc.wait(timeout=60)  # killed by the supervisor, not by the test
+        flag.unlink()
+        deadline = time.monotonic() + 60
+        while not any(c.restarts == 1 and c.served_at for c in sup.children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        sup.stop_requested = True
+        watcher.join(timeout=10)
+        sup.stop_all()
+    err = capfd.readouterr().err
+    assert child.proc.returncode == -signal.SIGKILL
+    assert re.search(r"failing \(\S+\) has answered NOT_SERVING for \d+ s; killing it to restart it", err), err
+    assert "failing (%s) is serving again after restart 1" % address in err, err

@@ -279,7 +279,7 @@ def counter_delta(before: dict, after: dict, name: str, key: Callable[[dict[str,
 
 def _free_port_run(n: int) -> int:
     """A base port with `n` free consecutive ports after it (best effort)."""
-    from pdserve.commands.up import free_port, port_in_use
+    from pdserve.ports import free_port, port_in_use
 
     for _ in range(50):
         base = free_port()

@@ -209,7 +209,7 @@ class Gateway:
 
 def start_gateway(stack, name: str, *flags: str) -> Gateway:
     """Another gateway over the stack's workers (with `flags`), serving /metrics on a port of its own."""
-    from pdserve.commands.up import free_port
+    from pdserve.ports import free_port
 
     spec = stack.gateway.spec
     address, metrics_port = f"{spec.address.rsplit(':', 1)[0]}:{free_port()}", free_port()

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 # --kv-dtype values (the cache formats of `pdserve.runtime.kv_cache`); int8 and fp8_e4m3 are
 # codes with one scale per block and head. Here, free of torch, so that flag parsing stays light.
 KV_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
+# --dtype values: the compute dtype (weights and activations). "auto" is resolved once at start by
+# `resolve_compute_dtype`: bfloat16 on a GPU or where the CPU runs it natively, else float32.
+COMPUTE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -44,6 +47,27 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+def resolve_compute_dtype(name: str, device: str = "cpu") -> str:
+    """The concrete compute dtype of a --dtype value ("auto": bfloat16 on a GPU, or on a CPU with
+    AVX512-BF16 or AMX, which oneDNN runs natively; float32 elsewhere, where bf16 is emulated and slow)."""
+    if name not in COMPUTE_DTYPE_NAMES:
+        raise ConfigError(f"unknown compute dtype {name!r} (supported: {', '.join(COMPUTE_DTYPE_NAMES)})")
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if _cpu_runs_bf16() else "float32"
+
+
+def _cpu_runs_bf16() -> bool:
+    import torch
+
+    try:  # oneDNN's own check of the CPU flags (avx512_bf16 / amx_bf16)
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +112,5 @@ class EngineConfig:
     # Replay decode-only steps from CUDA graphs (runtime.cuda_graph); only on a GPU with the
     # CuPy kernels, ignored elsewhere. Off: every step eager (debugging, profiling).
     cuda_graph: bool = True
+    # Compute dtype the weights were loaded in (a COMPUTE_DTYPE_NAMES value, resolved: not "auto").
+    dtype: str = "float32"

@@ -138,6 +138,15 @@ def check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.Te
                                  f"expected {shape} from the config")
 
 
+def compute_fingerprint(file_fingerprint: str, compute_dtype: str) -> str:
+    """The fingerprint that goes into block hashes: the files' one, with the compute dtype mixed in
+    when it is not float32, so that KV computed in bf16 and in fp32 never mix (float32 keeps the
+    files' value: KV stored before --dtype existed stays valid)."""
+    if compute_dtype == "float32":
+        return file_fingerprint
+    return hashlib.blake2b(f"{file_fingerprint}/{compute_dtype}".encode(), digest_size=16).hexdigest()
+
+
 def fingerprint(config: ModelConfig, files: list[Path]) -> str:
     """blake2b of the config and each weight file's size and first and last 1 MiB.
 
