@@ -133,6 +133,9 @@ def test_gateway_servicer_counts_statuses_and_in_flight() -> None:
         def time_remaining(self):
             return None
 
+        def invocation_metadata(self):
+            return ()
+
     slo = SloMonitor(SloConfig(min_samples=1, eval_interval_s=0.0))
     servicer = GatewayServicer(FakeFlow(), slo)
     ok0 = value("pdserve_requests_total", status="OK")

@@ -8,6 +8,7 @@ Our prompts run as one batch; each sequence's logits are compared with an unbatc
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +18,7 @@ from conftest import smollm2_path
 from hf_reference import load_hf_gguf_model, load_hf_gguf_tokenizer
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
+from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 
 QUESTIONS = [
@@ -27,6 +29,7 @@ QUESTIONS = [
     "How do I reverse a list in Python?",
 ]
 GREEDY_TOKENS = 64
+ANSWER_TOKENS = 104  # generated per prompt: 5 x 104 >= 500 answer positions for the bf16 check
 LOGIT_STEPS = 16  # decode steps after the prefill whose logits are compared
 LOGIT_PROMPTS = 3
 
@@ -36,7 +39,7 @@ class Reference:
     """Our greedy outputs and what transformers says at each of their positions."""
 
     prompts: list[list[int]]  # chat-template token ids of QUESTIONS
-    ours: list[list[int]]  # our greedy continuation of each, GREEDY_TOKENS long
+    ours: list[list[int]]  # our greedy continuation of each, ANSWER_TOKENS long
     ours_logits: list[torch.Tensor]  # [1 + LOGIT_STEPS, V]: our prefill + decode logits, first prompts
     hf_next: list[list[int]]  # transformers' argmax after each prefix of prompt + ours[:-1]
     hf_logits: list[torch.Tensor]  # [1 + LOGIT_STEPS, V] at the same positions
@@ -54,8 +57,8 @@ def engine(smollm2):
 
 
 def our_greedy(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """All prompts in one batch, GREEDY_TOKENS each; logits [1 + LOGIT_STEPS, V] of the first ones."""
-    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+    """All prompts in one batch, ANSWER_TOKENS each; logits [1 + LOGIT_STEPS, V] of the first ones."""
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(f"ref-{i}", p, params) for i, p in enumerate(prompts)]
     rows: dict[str, list[torch.Tensor]] = {f"ref-{i}": [] for i in range(LOGIT_PROMPTS)}
     engine.keep_logits = True
@@ -80,7 +83,8 @@ def reference(engine, smollm2, tmp_path_factory: pytest.TempPathFactory) -> Refe
     ref = Reference(prompts, ours, ours_logits, [], [])
     for i, (prompt, out) in enumerate(zip(prompts, ours)):
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:].float()  # [64, V]
+            seq = prompt + out[:GREEDY_TOKENS - 1]
+            logits = hf(torch.tensor([seq])).logits[0, len(prompt) - 1:].float()  # [GREEDY_TOKENS, V]
         ref.hf_next.append(logits.argmax(-1).tolist())
         if i < LOGIT_PROMPTS:
             ref.hf_logits.append(logits[:1 + LOGIT_STEPS])
@@ -96,7 +100,7 @@ def test_logits_match_transformers_prefill_and_16_decode_steps(reference) -> Non
 
 def test_greedy_64_tokens_match_transformers(reference) -> None:
     for ours, hf_next in zip(reference.ours, reference.hf_next):
-        assert len(ours) == GREEDY_TOKENS and ours == hf_next
+        assert len(hf_next) == GREEDY_TOKENS and ours[:GREEDY_TOKENS] == hf_next
 
 
 def test_capital_of_france_is_paris(engine, smollm2) -> None:
@@ -136,15 +140,56 @@ def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory):
     return load_hf_gguf_tokenizer(smollm2_path(), tmp_path_factory.mktemp("smollm2_tok"))
 
 
+# Whitespace before a digit: the one place transformers' GGUF conversion tokenizes SmolLM2 otherwise.
+# It knows no "smollm" pre-tokenizer and falls back to GPT-2's regex, which cuts "  4" into " ", " 4"
+# (-> three tokens); llama.cpp's "smollm" and SmolLM2's own tokenizer.json split digits off first
+# ("  ", "4": two tokens), and so do we.
+SPACE_DIGIT = re.compile(r"\s\d")
+
+
+def with_smollm_split(hf_tokenizer):
+    """transformers' tokenizer of the file (its vocabulary, merges and added tokens), with llama.cpp's
+    "smollm" pre-tokenizer in place of GPT-2's."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    backend = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return backend
+
+
 def test_tokenizer_matches_transformers_on_220_strings(smollm2, hf_tokenizer) -> None:
-    ours = smollm2.tokenizer
+    ours, smollm_split = smollm2.tokenizer, with_smollm_split(hf_tokenizer)
     texts = TEXTS + random_texts(220 - len(TEXTS))
-    assert len(texts) >= 200
+    plain = [t for t in texts if not SPACE_DIGIT.search(t)]
+    assert len(texts) >= 200 and len(plain) >= 150
     for text in texts:
-        ids = hf_tokenizer.encode(text, add_special_tokens=False)
-        assert ours.encode(text) == ids == hf_tokenizer.encode(text), text  # add_bos is false in the file
+        ids = smollm_split.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text) == ids, text  # add_bos is false in the file
         assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), text
         assert ours.decode(ids, skip_special=False) == hf_tokenizer.decode(ids, skip_special_tokens=False), text
+    for text in plain:
+        assert ours.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False) == hf_tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "default"])
+def test_gpt2_pre_tokenizer_matches_transformers(hf_tokenizer, pre: str) -> None:
+    """The same vocabulary read with GPT-2's regex ("gpt2", "default"): what transformers builds for it."""
+    import gguf
+
+    from pdserve.runtime.gguf_vocab import build_tokenizer
+
+    fields = gguf.GGUFReader(smollm2_path()).fields
+    meta = {k: fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "token_type", "merges")}
+    ours = build_tokenizer("gpt2", meta["tokens"], meta["token_type"], merges=meta["merges"], pre=pre)
+    for text in TEXTS + random_texts(60, seed=11):
+        assert ours.encode(text, add_special_tokens=False).ids == hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_space_before_digit_follows_llama_cpp(smollm2, hf_tokenizer) -> None:
+    tok = smollm2.tokenizer
+    assert [tok.decode([i]) for i in tok.encode("a  4")] == ["a", "  ", "4"]
+    assert [hf_tokenizer.decode([i]) for i in hf_tokenizer.encode("a  4")] == ["a", " ", " ", "4"]
 
 
 def test_special_tokens_are_single_ids_and_skipped(smollm2) -> None:
@@ -158,3 +203,24 @@ def test_every_digit_is_its_own_token(smollm2) -> None:
     """The "smollm" pre-tokenizer splits digits one by one (llama.cpp, SmolLM's tokenizer.json)."""
     tok = smollm2.tokenizer
     assert [tok.decode([i]) for i in tok.encode("2024")] == ["2", "0", "2", "4"]
+
+
+# --- bfloat16 -----------------------------------------------------------------------------------
+
+def test_bfloat16_top1_agrees_with_float32_on_500_positions(smollm2, reference) -> None:
+    """bf16 weights, activations and KV, teacher-forced on the five chats with fp32's greedy answers:
+    the same argmax as fp32 where the answers' 520 tokens are predicted. (Over the prompts too,
+    measured 98.8%: 6 of 507 flips, all near-ties within 0.09 logits, mostly in the system prompt.)"""
+    from pdserve.commands.quant_eval import sequence_logits
+    from pdserve.runtime.model import LlamaModel
+
+    tokens, answer = [], []  # answer: positions whose logits predict an answer token
+    for prompt, out in zip(reference.prompts, reference.ours):
+        answer += range(len(tokens) + len(prompt) - 1, len(tokens) + len(prompt) + len(out) - 1)
+        tokens += prompt + out
+    assert len(answer) >= 500
+    fp32 = sequence_logits(LlamaModel(smollm2.config, smollm2.weights), tokens).argmax(-1)[answer]
+    half = load_checkpoint(smollm2_path(), dtype=torch.bfloat16)
+    bf16 = sequence_logits(LlamaModel(half.config, half.weights), tokens, kv_dtype="bfloat16").argmax(-1)[answer]
+    agree = (fp32 == bf16).float().mean().item()
+    assert agree >= 0.99, agree

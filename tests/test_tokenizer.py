@@ -124,3 +124,49 @@ def test_hf_tokenizer_wrapper(ours: GGUFTokenizer, hf, tmp_path: Path) -> None:
         assert wrapped.encode(text) == ours.encode(text)
         assert wrapped.decode(wrapped.encode(text)) == ours.decode(ours.encode(text))
     assert wrapped.apply_chat_template([{"role": "user", "content": "Hi"}]) == "user: Hi\nassistant:"
+
+
+# --- byte-level BPE (GGUF "gpt2") pre-tokenizers ------------------------------------------------
+
+PRE_TEXTS = ["Hello world", "in 2024 we had 42 cats, 1234567 of them", "don't WE'LL it's", "  a\n\n\n  b   ",
+             "日本語 café 😀", "x<|im_start|>y<|im_end|>z", "def f(x):\n    return x**2\n", "a  4 \n\n5",
+             "\u00a0non-breaking", "Привет, мир!", "tab\t\tend\r\n"]
+
+
+def vocab_only_gguf(path: Path, pre: str) -> Path:
+    """SmolLM2's byte-level vocabulary and merges under another `tokenizer.ggml.pre`, no tensors."""
+    import gguf
+
+    from conftest import smollm2_path
+
+    reader = gguf.GGUFReader(smollm2_path())
+    w = gguf.GGUFWriter(path, "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("tokenizer.ggml.") and field.name != "tokenizer.ggml.pre":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    w.add_string("tokenizer.ggml.pre", pre)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# "gpt2" and "default" (GPT-2's regex): tests/test_smollm2.py, against the file's own transformers tokenizer.
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_byte_level_pre_tokenizers_match_transformers(tmp_path: Path, pre: str) -> None:
+    path = vocab_only_gguf(tmp_path / f"{pre}.gguf", pre)
+    ours = load_gguf_tokenizer(path)
+    hf = load_hf_gguf_tokenizer(path, tmp_path / "patched")
+    for text in PRE_TEXTS:
+        assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
+        assert ours.decode(ours.encode(text)) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+
+
+def test_unsupported_pre_tokenizer_is_one_line(tmp_path: Path) -> None:
+    from pdserve.runtime.loader import ModelLoadError
+
+    path = vocab_only_gguf(tmp_path / "odd.gguf", "made-up")
+    with pytest.raises(ModelLoadError, match=r"odd\.gguf: unsupported GGUF pre-tokenizer 'made-up' \(supported: "):
+        load_gguf_tokenizer(path)

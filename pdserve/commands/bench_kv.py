@@ -44,6 +44,10 @@ HELP = "benchmark prefix caching, session prefetch and KV transfer (kvstore + Re
 SCENARIOS = ("shared-prefix", "sessions", "transfer")
 
 
+# stories260K (512-token vocabulary), kept in the repository for the tests; not the served default.
+STORIES_GGUF = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "stories260K" / "stories260K.gguf"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     p.add_argument("--requests", type=int, default=200, help="shared-prefix: requests per arm")
@@ -158,10 +162,9 @@ def build_random_llama(folder: Path, seed: int, shape: str = "llama-512x8") -> P
                                       **MODEL_SHAPES[shape])
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, safe_serialization=True)
-    stories = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "stories260K" / "stories260K.gguf"
     from pdserve.runtime.loader import resolve_model_path
 
-    source = stories if stories.exists() else Path(resolve_model_path(None))
+    source = STORIES_GGUF if STORIES_GGUF.exists() else Path(resolve_model_path(None))
     shutil.copy(source, folder / GGUF_TOKENIZER_FILE)
     return folder
 
@@ -212,7 +215,7 @@ def bench_sessions(args: argparse.Namespace) -> dict:
     redis_proc = RedisProcess(binary=args.redis_server).start()
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-bench-kv-") as tmp:
-            model = None if args.session_model == "stories260K" else str(
+            model = str(STORIES_GGUF) if args.session_model == "stories260K" else str(
                 build_random_llama(Path(tmp) / args.session_model, args.seed, args.session_model))
             arms = {}
             for arm, prefetch in (("prefetch_off", "0"), ("prefetch_on", "1")):

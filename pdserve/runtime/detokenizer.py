@@ -1,7 +1,9 @@
 """Streaming detokenization with stop strings, O(1) work per token.
 
-Text of a token depends on its neighbours (sentencepiece's leading space, UTF-8 characters split over
-byte tokens), so a token cannot be decoded alone. As in vLLM we keep two offsets into the ids: text up
+Text of a token depends on its neighbours (sentencepiece's leading space; UTF-8 characters split over
+byte-fallback tokens or, in byte-level BPE, over ordinary tokens: an emoji's four bytes may end in
+the next token), so a token cannot be decoded alone. A window whose text ends in U+FFFD is held
+back until the character completes (at most 4 steps). As in vLLM we keep two offsets into the ids: text up
 to `read` has been accounted for, and decoding restarts at `prefix` a few tokens earlier. Each step
 decodes ids[prefix:] and ids[prefix:read] and emits the difference. The window start is decoded
 the same way in both, so context effects at the window's edge cancel out.

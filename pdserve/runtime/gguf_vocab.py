@@ -43,7 +43,8 @@ def _regex_split(regex: str) -> pre_tokenizers.PreTokenizer:
 def _smollm_split() -> pre_tokenizers.PreTokenizer:
     # llama.cpp's "smollm": every digit alone ("\p{N}"), then GPT-2's regex, as SmolLM's own
     # tokenizer.json (Digits(individual_digits) + ByteLevel). transformers' GGUF conversion leaves the
-    # digit split out (it knows no "smollm"), so it cuts "2024" differently; the tests show where.
+    # digit split out (it knows no "smollm"): it cuts whitespace before a digit otherwise ("  4" gives
+    # " ", " ", "4" there, "  ", "4" here); tests/test_smollm2.py shows it.
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
 
 

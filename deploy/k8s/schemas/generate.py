@@ -17,6 +17,7 @@ Run it in a throwaway virtual environment, never the project's (cloudcoil is not
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 from pathlib import Path
@@ -47,8 +48,6 @@ def strict(node: object) -> object:
 
 
 def main() -> None:
-    import importlib
-
     for filename, module, cls, package in SCHEMAS:
         model = getattr(importlib.import_module(module), cls)
         schema = strict(model.model_json_schema(by_alias=True, mode="validation"))
