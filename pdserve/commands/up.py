@@ -235,6 +235,13 @@ def _refusal(args: argparse.Namespace) -> str | None:
             load_serve_config(args.config)
         except ExperimentConfigError as err:
             return f"{args.config}: {err}"
+    from pdserve.runtime.loader import ModelLoadError, resolve_model_path
+
+    try:  # a wrong --model (or none at all) is one line here, not a traceback from every worker
+        if not resolve_model_path(args.model).exists():
+            return f"--model {resolve_model_path(args.model)}: no such file or directory"
+    except ModelLoadError as err:
+        return str(err)
     if not 0 < args.grpc_port < 65536:
         return f"--grpc-port must be in 1..65535, got {args.grpc_port}"
     if not 0 <= args.http_port < 65536:
