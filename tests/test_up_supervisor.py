@@ -202,21 +202,23 @@ def test_a_child_whose_supervisor_died_before_it_armed_exits_at_once() -> None:
     assert "its supervisor (pid 1) is gone already; exiting" in done.stderr
 
 
-def _refusal(*flags: str) -> subprocess.CompletedProcess:
-    """`pdserve up` on a model that cannot load: if it did not refuse, it would fail at start-up (1)."""
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", "/nonexistent/model.gguf",
+def _refusal(model: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`pdserve up` on `model`, a file that exists but is no model: if it did not refuse, it would
+    fail at start-up (1), when its first worker cannot load it."""
+    model.write_bytes(b"not a GGUF file")
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model),
                            "--startup-timeout", "30", *flags], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
 
 
-def test_up_refuses_a_taken_port_with_one_line_naming_it_and_its_holder() -> None:
+def test_up_refuses_a_taken_port_with_one_line_naming_it_and_its_holder(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        grpc_taken = _refusal("--grpc-port", str(port), "--http-port", "0")
+        grpc_taken = _refusal(tmp_path / "junk.gguf", "--grpc-port", str(port), "--http-port", "0")
         # the kvstore's metrics port is `port - 1`, the first prefill worker's the taken one
-        metrics_taken = _refusal("--grpc-port", str(_free_port()), "--http-port", "0",
+        metrics_taken = _refusal(tmp_path / "junk.gguf", "--grpc-port", str(_free_port()), "--http-port", "0",
                                  "--metrics-port-base", str(port - 1))
     assert grpc_taken.returncode == 2 and grpc_taken.stdout == ""
     assert grpc_taken.stderr == (f"pdserve up: cannot use --grpc-port {port} on 127.0.0.1: Address already in "
@@ -229,7 +231,7 @@ def test_up_refuses_a_taken_port_with_one_line_naming_it_and_its_holder() -> Non
 
 
 def test_a_child_failing_at_start_up_still_fails_up_with_its_output(tmp_path: Path) -> None:
-    done = _refusal("--grpc-port", str(_free_port()), "--http-port", "0")
+    done = _refusal(tmp_path / "junk.gguf", "--grpc-port", str(_free_port()), "--http-port", "0")
     assert done.returncode == 1 and done.stdout == ""
     assert re.search(r"pdserve up: (prefill|decode)-0 \(\S+\) exited with code \d+ while starting up; "
                      r"its last output:\n", done.stderr), done.stderr[-3000:]
