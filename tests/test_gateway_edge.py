@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway import request_limits
 from gateway import server as gateway_server
 from gateway.request_limits import RequestLimits
+from waiting import wait_until
 from pdserve.ports import free_port
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -100,10 +101,10 @@ class Streamer:
             self.error = err
 
     def wait_chunks(self, n: int, after: float = 0.0, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while sum(t > after for _, t in self.arrivals) < n:
-            assert time.monotonic() < deadline and self.error is None, self.error
-            time.sleep(0.01)
+        def arrived() -> bool:
+            assert self.error is None, self.error
+            return sum(t > after for _, t in self.arrivals) >= n
+        assert wait_until(arrived, timeout_s), f"{n} chunks did not arrive within {timeout_s:g} s"
 
     def gaps(self) -> list[tuple[float, float]]:
         """(start, end) between consecutive chunks of one stream."""

@@ -34,7 +34,7 @@ TINY = ModelConfig("llama", 100, 32, 64, num_layers=2, num_heads=4, num_kv_heads
 def checkpoint():
     from pdserve.runtime.loader import load_checkpoint
 
-    return load_checkpoint(STORIES_GGUF)  # ../shared is always beside the repo: a missing model fails
+    return load_checkpoint(STORIES_GGUF)  # the repository's fixture: a missing model fails, never skips
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ workers' pdserve_kv_blocks_rejected_total{reason="mac"} must count the refusals.
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 
 import grpc
@@ -22,6 +21,7 @@ import redis
 import torch
 
 from kvstore.redis_tier import block_key
+from waiting import wait_until
 from pdserve import internal_auth, kv_mac
 from pdserve.ports import free_port, port_in_use
 from pdserve.kvwire import BlockSpec, encode_block
@@ -122,13 +122,11 @@ def _forgeries(stack, checkpoint, spec: BlockSpec, count: int) -> list[bytes]:
 
 
 def _wait_for_log(stack, fragment: str, timeout_s: float = 30) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines = [line for name in ("prefill-0", "decode-0") for line in stack.child(name).tail]
-        if any(fragment in line for line in lines):
-            return lines
-        time.sleep(0.1)
-    pytest.fail(f"no worker logged {fragment!r}")
+    def lines() -> list[str]:
+        return [line for name in ("prefill-0", "decode-0") for line in stack.child(name).tail]
+    if not wait_until(lambda: any(fragment in line for line in lines()), timeout_s):
+        pytest.fail(f"no worker logged {fragment!r}")
+    return lines()
 
 
 def test_up_generates_the_token_and_gives_the_mac_key_to_workers_only(stack):

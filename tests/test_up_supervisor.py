@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from waiting import wait_until
 from conftest import STORIES_GGUF
 from test_up import _alive, _descendants, _free_port, _read_ready_line, _wait_gone
 
@@ -98,9 +99,7 @@ def test_a_child_that_keeps_crashing_is_retried_with_back_off(capfd: pytest.Capt
     watcher = threading.Thread(target=sup.watch)
     watcher.start()
     try:
-        deadline = time.monotonic() + 60
-        while not any(c.restarts >= 4 for c in sup.children) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: any(c.restarts >= 4 for c in sup.children), timeout_s=60)
     finally:
         sup.stop_requested = True
         watcher.join(timeout=10)
@@ -271,9 +270,7 @@ def test_a_child_answering_not_serving_is_killed_and_restarted(tmp_path: Path, c
         flag.touch()  # the child now answers NOT_SERVING
         child.proc.wait(timeout=60)  # killed by the supervisor, not by the test
         flag.unlink()
-        deadline = time.monotonic() + 60
-        while not any(c.restarts == 1 and c.served_at for c in sup.children) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: any(c.restarts == 1 and c.served_at for c in sup.children), timeout_s=60)
     finally:
         sup.stop_requested = True
         watcher.join(timeout=10)
