@@ -24,7 +24,7 @@ PROMPTS = (
     "The little dog was sad because it lost its red",
     "One day a big bird flew over the sea and saw a",
 )
-LONG = 400  # tokens per stream in the decode-kill test: long enough to be mid-stream at the kill
+LONG = 1000  # tokens per stream in the decode-kill test: mid-stream at the kill even on a fast machine
 SHORT = 20
 LONG_PROMPT = "prompt 0, 12 times"
 READ_BEFORE_KILL = 96  # tokens each stream has delivered when its worker is killed (> 5 blocks)
