@@ -1,10 +1,10 @@
 """The DecodeWorker gRPC servicer.
 
 Prepare(hint) starts moving KV that already exists (see pdserve.block_prefetch for the signals).
-Decode(request): gather the prompt's blocks (paged cache here, prefetched, or fetched now), hand
-them to the engine, which shares or copies them into its paged cache (or recomputes the prompt
-when a block is missing or corrupt), unpin the request's blocks in the KV store, then stream the
-tokens of the continuous batch. A cancelled call aborts the sequence, which frees its blocks, and
+Decode(request): gather the prompt's blocks (paged cache here, prefetched, or fetched now) and add
+the request with them (`AddRequest`); the scheduler shares or copies them into the paged cache when
+it admits it (and computes from the first block that is missing or corrupt), the request's blocks
+in the KV store are unpinned, then the tokens of the continuous batch stream. A cancelled call aborts the sequence, which frees its blocks, and
 ends the request's kvstore lease (`RequestLease`: once, after a fetch still in flight under it).
 
 Decode with `local_prefill` prefills here instead: the worker hashes the prompt's full blocks,
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import grpc
 
@@ -36,16 +35,12 @@ from pdserve.block_prefetch import BlockPrefetcher, answer_prepare
 from decode.write_back import BlockWriteBack
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
-from pdserve.runtime.block_hash import prompt_block_hashes
-from pdserve.runtime.kv_transfer import resident_hashes
+from pdserve.runtime.engine import AddRequest
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import WORKER_ERROR_CODES, RequestLease, Worker
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
 log = logging.getLogger(__name__)
-
-WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generated blocks off
-RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -53,8 +48,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                  residency_interval_s: float | None = None) -> None:
         self.worker = worker
         self.prefetcher = BlockPrefetcher(worker)
-        self.write_back = os.environ.get(WRITE_BACK_ENV, "1") != "0" if write_back is None else write_back
-        interval = residency_interval_s or float(os.environ.get(RESIDENCY_INTERVAL_ENV, "1.0"))
+        config = worker.config  # WorkerConfig: --kv-write-back, --residency-interval-s (and their env vars)
+        self.write_back = config.kv_write_back if write_back is None else write_back
+        interval = residency_interval_s or config.residency_interval_s
         self._tasks: set[asyncio.Task] = set()
         self._reporter = asyncio.get_running_loop().create_task(self._report_residency_forever(interval))
 
@@ -72,7 +68,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                              f" were generated before), got {request.resumed_tokens}")
         params = sampling_from_proto(request.sampling)
         if request.local_prefill:
-            hashes = self._prefix_hashes(prompt)
+            hashes = self.worker.kv_format.reusable_hashes(prompt)
             tokens = prompt
         else:
             hashes = list(request.block_hashes)
@@ -83,11 +79,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             blocks = await lease.run(self.prefetcher.gather(rid, hashes))
             if request.local_prefill:
-                add = lambda e: e.add_with_prefix(rid, prompt, params, blocks,  # noqa: E731
-                                                  resumed_tokens=request.resumed_tokens)
+                add = AddRequest(rid, prompt, params, blocks=blocks, resumed_tokens=request.resumed_tokens)
             else:
-                add = lambda e: e.add_prefilled(rid, prompt, request.first_token, params, hashes, blocks)  # noqa: E731
-            async for outs in self.worker.aengine.generate(rid, add):
+                add = AddRequest(rid, prompt, params, blocks=blocks, first_token=request.first_token,
+                                 prompt_hashes=hashes)
+            async for outs in self.worker.aengine.generate(add):
                 if not imported:
                     imported = True
                     lease.end(drop=False)  # the KV is in our cache now
@@ -101,19 +97,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             lease.end(drop=True)  # a no-op once imported
 
-    def _prefix_hashes(self, prompt: list[int]) -> list[bytes]:
-        """Hashes of the prompt's full blocks that may be reused (the block of its last token is
-        always computed: its logits pick the first token)."""
-        spec = self.worker.spec
-        usable = (len(prompt) - 1) // spec.block_size
-        return prompt_block_hashes(prompt, spec.block_size, spec.fingerprint,
-                                   self.worker.engine.block_manager.kv_dtype)[:usable]
-
     async def _report_residency_forever(self, interval_s: float) -> None:
         reported: set[bytes] | None = None  # None: the kvstore needs a full report
         while True:
             try:
-                current = await self.worker.aengine.call(resident_hashes)
+                current = await self.worker.aengine.resident()
                 if reported is not None:
                     self.prefetcher.evicted(reported - current)
                 reported = await self._report(current, reported)

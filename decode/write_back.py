@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 
-from pdserve.runtime.block_hash import block_hash
-from pdserve.runtime.kv_transfer import export_cached_blocks
 from pdserve.worker_common import Worker, put_blocks
 
 log = logging.getLogger(__name__)
@@ -44,14 +42,13 @@ class BlockWriteBack:
             self._spawn(self._put(new))
 
     def _new_full_blocks(self) -> list[bytes]:
-        spec = self.worker.spec
-        bs = spec.block_size
-        full = (len(self.tokens) - 1) // bs  # the last token's KV is not computed yet
+        fmt = self.worker.kv_format
+        bs = fmt.block_size
+        full = fmt.reusable_blocks(len(self.tokens))  # the last token's KV is not computed yet
         start = len(self.chain)
         for i in range(start, full):
             parent = self.chain[-1] if self.chain else None
-            self.chain.append(block_hash(parent, self.tokens[i * bs:(i + 1) * bs], spec.fingerprint,
-                                         self.worker.engine.block_manager.kv_dtype))
+            self.chain.append(fmt.block_hash(parent, self.tokens[i * bs:(i + 1) * bs]))
         return self.chain[start:]
 
     async def _put(self, hashes: list[bytes]) -> None:
@@ -61,7 +58,7 @@ class BlockWriteBack:
             wanted = [h for h, p in zip(hashes, present) if not p]
             if not wanted:
                 return
-            blocks = await worker.aengine.call(lambda e: export_cached_blocks(e, wanted))
+            blocks = await worker.aengine.export_cached(wanted)
             await put_blocks(worker, "", blocks)
             worker.kv_outage.ok()
             self.written += len(blocks)

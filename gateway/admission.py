@@ -34,14 +34,14 @@ Learning: until `min_samples` requests have reported a first token there is no m
 rather than accepted blind.
 
 Configuration: off by default (a shared CI machine's TTFT varies too much for a default target to
-be safe); `--admission-ttft-slo-ms MS` (or PDSERVE_ADMISSION_TTFT_SLO_MS) turns it on. A sensible
-target is the SLO monitor's (PDSERVE_SLO_TTFT_P99_MS) or a little under it. See docs/overload.md.
+be safe); `--admission-ttft-slo-ms MS` (or PDSERVE_ADMISSION_TTFT_SLO_MS), part of the gateway's
+config, turns it on (`admission_for`). A sensible target is the SLO monitor's
+(--slo-ttft-p99-ms / PDSERVE_SLO_TTFT_P99_MS) or a little under it. See docs/overload.md.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -56,7 +56,6 @@ from prometheus_client import Counter, Gauge
 from gateway.limits import Admitted, InflightLimit
 from pdserve.grpc_server import ServiceError
 
-SLO_ENV = "PDSERVE_ADMISSION_TTFT_SLO_MS"
 Features = tuple[float, float, float]  # (r, x, d): see the module docstring
 REJECTED = Counter("pdserve_admission_rejected_total", "Requests refused by SLO-aware admission", ["reason"])
 PREDICTED_TTFT = Gauge("pdserve_admission_predicted_ttft_seconds", "TTFT predicted for the last arrival")
@@ -79,18 +78,6 @@ class AdmissionConfig:
             raise ValueError("need min_samples >= 1, learning_queue >= 1 and window >= min_samples")
         if not 0 <= self.quantile < 1:
             raise ValueError(f"quantile must be in [0, 1), got {self.quantile}")
-
-
-def slo_ms_from_env() -> float:
-    """The admission SLO set in the environment, in ms (0: admission off)."""
-    raw = os.environ.get(SLO_ENV, "0").strip() or "0"
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{SLO_ENV} must be a number of milliseconds (0 = off), got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{SLO_ENV} must be >= 0 (0 = off), got {raw!r}")
-    return value
 
 
 @dataclass(slots=True)
@@ -252,10 +239,9 @@ class SloAdmission:
 
 
 def admission_for(cap: InflightLimit, prefill_routable: Callable[[], int],
-                  slo_ms: float | None = None) -> InflightLimit | SloAdmission:
-    """What a deployment's flow admits through: `cap` alone when admission is off (`slo_ms` 0;
-    None reads PDSERVE_ADMISSION_TTFT_SLO_MS), else SLO-aware admission under `cap`."""
-    slo_ms = slo_ms_from_env() if slo_ms is None else slo_ms
+                  slo_ms: float = 0.0) -> InflightLimit | SloAdmission:
+    """What a deployment's flow admits through: `cap` alone when admission is off (`slo_ms` 0,
+    the gateway's --admission-ttft-slo-ms), else SLO-aware admission under `cap`."""
     if slo_ms <= 0:
         return cap
     return SloAdmission(cap, AdmissionConfig(ttft_slo_s=slo_ms / 1000), prefill_routable)

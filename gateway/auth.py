@@ -1,6 +1,7 @@
 """API keys at the gateway: who may call it, and each key's share (`gateway.key_limits`).
 
-With `--api-keys-file` (or PDSERVE_API_KEYS_FILE) every gRPC call and every HTTP request but the
+With `--api-keys-file` (or PDSERVE_API_KEYS_FILE; `gateway.config.GatewayConfig.api_keys_file`, read
+into a `KeyRing` by `gateway.server.serve_catalog`) every gRPC call and every HTTP request but the
 open ones must carry `authorization: Bearer <key>` (gRPC metadata or the HTTP header). The file
 holds one key per line, optionally named and limited; `#` starts a comment:
 
@@ -18,11 +19,9 @@ Retry-After). Open without a key: gRPC health and reflection, HTTP `/health` and
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -36,7 +35,6 @@ from gateway.http.errors import ApiError, Handler
 from gateway.key_limits import Clock, KeyLimiter, KeyLimitExceeded, KeyLimits
 from pdserve.interceptors import is_open_method, metadata_value, refusing, wrapped
 
-KEYS_FILE_ENV = "PDSERVE_API_KEYS_FILE"
 OPEN_HTTP_PATHS = frozenset({"/health", "/"})
 
 
@@ -186,37 +184,11 @@ def _retry_after(err: KeyLimitExceeded) -> str:
     return str(max(1, math.ceil(err.retry_after_s)))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-keys-file", default=os.environ.get(KEYS_FILE_ENV) or None, metavar="PATH",
-                        help="require API keys (authorization: Bearer <key>) listed in PATH, one per line "
-                             "with optional name=, rate=N/s, burst=N, concurrency=N; default "
-                             f"${KEYS_FILE_ENV}, else no keys (docs/security.md)")
+def grpc_interceptors(ring: KeyRing | None) -> list[grpc.aio.ServerInterceptor]:
+    """The gateway's API key interceptor over `ring` ([] when keys are off: None)."""
+    return [ApiKeyInterceptor(ring)] if ring is not None else []
 
 
-def keyring_from_args(args: argparse.Namespace) -> KeyRing | None:
-    path = getattr(args, "api_keys_file", None)
-    return KeyRing.from_file(path) if path else None
-
-
-_ring: KeyRing | None = None
-
-
-def current_ring() -> KeyRing | None:
-    """The gateway process's API keys (None: keys off), as `use` set them from the flags at start."""
-    return _ring
-
-
-def use(ring: KeyRing | None) -> None:
-    """Make `ring` the process's API keys (None: no keys); read by the servers started after."""
-    global _ring
-    _ring = ring
-
-
-def grpc_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    """The gateway's API key interceptor ([] when keys are off)."""
-    return [ApiKeyInterceptor(_ring)] if _ring is not None else []
-
-
-def http_middlewares() -> list:
-    """The HTTP API's API key middleware ([] when keys are off)."""
-    return [http_middleware(_ring)] if _ring is not None else []
+def http_middlewares(ring: KeyRing | None) -> list:
+    """The HTTP API's API key middleware over `ring` ([] when keys are off: None)."""
+    return [http_middleware(ring)] if ring is not None else []

@@ -1,6 +1,6 @@
 """How long the gateway waits for workers before it gives up on them (docs/reliability.md).
 
-Two bounds, one frozen dataclass, read from the gateway's flags once at start (`use`, `current`):
+Two bounds, one frozen dataclass, part of the gateway's config (`gateway.config.GatewayConfig`):
 
 - `decode_stall_s` (--decode-stall-timeout-s): a decode stream that delivers no message for this
   long is cancelled and resumed on another decode worker, exactly as if its worker had died. It
@@ -21,11 +21,18 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pdserve.config_flags import add_flags, build, setting
+
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:
-    decode_stall_s: float = 30.0  # no decode message for this long: resume elsewhere (0 = off)
-    http_request_s: float = 600.0  # total bound of one HTTP request (0 = none)
+    """How long the gateway waits for workers (module docstring); each field one flag."""
+
+    decode_stall_s: float = setting(30.0, "a decode stream that delivers nothing for S seconds is resumed on "
+                                    "another decode worker; must exceed the longest local prefill or queue wait "
+                                    "(0 = off)", flag="--decode-stall-timeout-s", metavar="S")
+    http_request_s: float = setting(600.0, "total time an HTTP request may take before it ends with 504 "
+                                    "(0 = no bound)", flag="--http-timeout-s", metavar="S")
 
     def __post_init__(self) -> None:
         for flag, value in (("--decode-stall-timeout-s", self.decode_stall_s),
@@ -41,38 +48,15 @@ class Deadlines:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The gateway's (and `pdserve up`'s) flags, defaults from Deadlines."""
-    d = Deadlines()
-    parser.add_argument("--decode-stall-timeout-s", type=float, default=d.decode_stall_s, metavar="S",
-                        help="a decode stream that delivers nothing for S seconds is resumed on another decode "
-                             "worker; must exceed the longest local prefill or queue wait (0 = off; "
-                             f"default {d.decode_stall_s:g})")
-    parser.add_argument("--http-timeout-s", type=float, default=d.http_request_s, metavar="S",
-                        help="total time an HTTP request may take before it ends with 504 (0 = no bound; "
-                             f"default {d.http_request_s:g})")
+    add_flags(parser, Deadlines)
 
 
 def from_args(args: argparse.Namespace) -> Deadlines:
     """Deadlines of parsed flags (defaults for flags the parser lacks); ValueError naming a bad flag."""
-    d = Deadlines()
-    return Deadlines(decode_stall_s=getattr(args, "decode_stall_timeout_s", d.decode_stall_s),
-                     http_request_s=getattr(args, "http_timeout_s", d.http_request_s))
+    return build(Deadlines, args, {})
 
 
 def gateway_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The flags as a gateway command line (`pdserve up` forwards its own)."""
     d = from_args(args)
     return ("--decode-stall-timeout-s", str(d.decode_stall_s), "--http-timeout-s", str(d.http_request_s))
-
-
-_current = Deadlines()
-
-
-def current() -> Deadlines:
-    """The gateway process's deadlines: the defaults until `use` (the flags at start) sets them."""
-    return _current
-
-
-def use(deadlines: Deadlines | None) -> None:
-    """Make `deadlines` the process's (None: the defaults); read by the flows and servers built after."""
-    global _current
-    _current = deadlines or Deadlines()

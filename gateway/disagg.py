@@ -29,8 +29,9 @@ prompts this policy sent remote. `CountedPlacement` counts every decision in
 pdserve_prefill_placement_total{placement}.
 
 The gateway's `--disagg-policy` (default always-remote: see docs/disaggregation.md for the
-measurements behind that) is read once at start (`use_args`); each deployment's flow gets its
-own policy from `new_placement`.
+measurements behind that) and these thresholds are part of its config
+(`gateway.config.GatewayConfig.disagg_policy` and `.disagg`); each deployment's flow gets its own
+policy, built by `make_placement` (`gateway.server.build_flow`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import argparse
 from dataclasses import dataclass
 
 from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
+from pdserve.config_flags import add_flags, build, setting
 
 POLICIES = ("always-remote", "always-local", "conditional")
 DEFAULT_POLICY = "always-remote"  # conditional was not better on every number (docs/disaggregation.md)
@@ -47,15 +49,22 @@ MIN_S_PER_TOKEN = 1e-7  # floor of the learned prefill time (a prefill is never 
 
 @dataclass(frozen=True, slots=True)
 class DisaggConfig:
-    """The conditional policy's thresholds and cost constants (gateway flags, see add_arguments)."""
+    """The conditional policy's thresholds and cost constants (--help: each field's text)."""
 
-    local_max_tokens: int = 64  # uncached prompt tokens prefilled locally regardless of load
-    busy_fraction: float = 0.75  # decode load (of decode_batch) from which prefill stays remote
-    decode_batch: int = 32  # the decode workers' --max-batch-size
-    prefill_s_per_token: float = 5e-4  # initial prefill compute per token (EWMA-updated)
-    remote_overhead_s: float = 0.02  # fixed cost of the remote hop: Prefill call, KV put and get
-    local_penalty: float = 1.0  # decode-batch stall charged to a local prefill, in prefill times
-    ewma_alpha: float = 0.2  # weight of the newest observation in the EWMAs
+    local_max_tokens: int = setting(64, "conditional: prompts with at most this many uncached tokens are "
+                                    "prefilled on the decode worker", flag="--local-prefill-max-tokens")
+    busy_fraction: float = setting(0.75, "conditional: a decode worker running this fraction of "
+                                   "--disagg-decode-batch sequences gets no local prefill",
+                                   flag="--disagg-busy-fraction")
+    decode_batch: int = setting(32, "conditional: the decode workers' --max-batch-size",
+                                flag="--disagg-decode-batch")
+    prefill_s_per_token: float = setting(5e-4, "conditional: initial estimate of prefill compute per prompt "
+                                         "token (then learned)", flag="--disagg-prefill-ms-per-token", scale=1e3)
+    remote_overhead_s: float = setting(0.02, "conditional: fixed cost of prefilling remotely (Prefill call, KV "
+                                       "put and get)", flag="--disagg-remote-overhead-ms", scale=1e3)
+    local_penalty: float = setting(1.0, "decode-batch stall charged to a local prefill, in prefill times",
+                                   flag=None)
+    ewma_alpha: float = setting(0.2, "weight of the newest observation in the EWMAs", flag=None)
 
     def __post_init__(self) -> None:
         if self.local_max_tokens < 0:
@@ -178,57 +187,21 @@ def make_placement(policy: str, config: DisaggConfig | None = None) -> CountedPl
 
 
 def add_arguments(p: argparse.ArgumentParser, decode_batch_flag: bool = True) -> None:
-    """The gateway's placement flags (defaults from DisaggConfig); `pdserve up` passes
-    decode_batch_flag=False: it knows the decode workers' --max-batch-size."""
-    d = DisaggConfig()
-    p.add_argument("--disagg-policy", choices=POLICIES, default=DEFAULT_POLICY,
-                   help="where prompts are prefilled: a prefill worker (always-remote), the decode "
-                        "worker (always-local), or per request (conditional; docs/disaggregation.md)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=d.local_max_tokens,
-                   help="conditional: prompts with at most this many uncached tokens are prefilled "
-                        "on the decode worker")
-    p.add_argument("--disagg-busy-fraction", type=float, default=d.busy_fraction,
-                   help="conditional: a decode worker running this fraction of --disagg-decode-batch "
-                        "sequences gets no local prefill")
-    if decode_batch_flag:
-        p.add_argument("--disagg-decode-batch", type=int, default=d.decode_batch,
-                       help="conditional: the decode workers' --max-batch-size")
-    p.add_argument("--disagg-prefill-ms-per-token", type=float, default=d.prefill_s_per_token * 1e3,
-                   help="conditional: initial estimate of prefill compute per prompt token")
-    p.add_argument("--disagg-remote-overhead-ms", type=float, default=d.remote_overhead_s * 1e3,
-                   help="conditional: fixed cost of prefilling remotely (Prefill call, KV put and get)")
+    """The placement flags (--disagg-policy and DisaggConfig's, defaults from GatewayConfig);
+    `pdserve up` passes decode_batch_flag=False: it knows the decode workers' --max-batch-size."""
+    from gateway.config import GatewayConfig  # it holds DisaggConfig: imported here, not above
+
+    add_flags(p, GatewayConfig, only=("disagg_policy", "disagg"),
+              skip=() if decode_batch_flag else ("disagg.decode_batch",))
 
 
 def config_from_args(args: argparse.Namespace) -> DisaggConfig:
     """DisaggConfig from add_arguments' flags; ValueError with the flag's name when one is bad."""
-    return DisaggConfig(local_max_tokens=args.local_prefill_max_tokens, busy_fraction=args.disagg_busy_fraction,
-                        decode_batch=args.disagg_decode_batch,
-                        prefill_s_per_token=args.disagg_prefill_ms_per_token / 1e3,
-                        remote_overhead_s=args.disagg_remote_overhead_ms / 1e3)
+    return build(DisaggConfig, args, {})
 
 
 def placement_from_args(args: argparse.Namespace) -> CountedPlacement:
     return make_placement(args.disagg_policy, config_from_args(args))
-
-
-# ---- the gateway's setting, read once at start (as gateway.request_limits) ------------------------
-
-_settings: tuple[str, DisaggConfig] | None = None
-
-
-def use_args(args: argparse.Namespace) -> None:
-    """Make the flags' policy the one `new_placement` builds; ValueError naming a bad flag."""
-    global _settings
-    placement_from_args(args)  # validated now: a bad value stops the gateway at start
-    _settings = (args.disagg_policy, config_from_args(args))
-
-
-def new_placement() -> CountedPlacement:
-    """A fresh policy for one deployment's flow (its EWMAs are its own): the flags' (`use_args`),
-    else always-remote, so an in-process gateway started without flags keeps classic
-    disaggregation."""
-    policy, config = _settings or ("always-remote", DisaggConfig())
-    return make_placement(policy, config)
 
 
 def gateway_flags(args: argparse.Namespace, decode_batch: int) -> tuple[str, ...]:

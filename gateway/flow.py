@@ -10,7 +10,7 @@
                   strings, messages, prompt tokens; SamplingParams validated its own fields
                   already)                                                      INVALID_ARGUMENT
      3. admit: the gateway's bounded in-flight count (limits.InflightLimit)      RESOURCE_EXHAUSTED
-     4. hash the prompt's full blocks (block_hash.prompt_block_hashes)          -> hashes
+     4. hash the prompt's full blocks (KVFormat.full_block_hashes)              -> hashes
      5. ask the kvstore how many leading blocks it holds and which decode worker holds how many
         in its paged cache (best effort)                         -> cached_blocks hint, residency
      6. pick a decode worker by KV-aware cost (router.pick_decode: load, free KV, resident prefix,
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -75,7 +74,7 @@ from gateway.worker_calls import DecodedTokens, PrefillResult
 from gateway.workers import WorkerEndpoint, WorkerPool
 from kvstore.client import KVStoreClient
 from pdserve.grpc_server import ServiceError
-from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.tokenizer import Tokenizer
 
@@ -91,9 +90,7 @@ class ModelInfo:
 
     tokenizer: Tokenizer
     context_window: int  # max_position_embeddings: prompt + generated tokens must fit
-    fingerprint: str  # part of every block hash
-    block_size: int  # must match the workers' --block-size
-    kv_dtype: str  # must match the workers' --kv-dtype
+    kv_format: KVFormat  # the workers' blocks (fingerprint, --block-size, --kv-dtype): how to name them
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +117,10 @@ class RequestFlow:
                  kvstore: KVStoreClient | None, limit: InflightLimit,
                  sessions: SessionTracker | None = None, hot: HotPrefixes | None = None,
                  placement: PrefillPlacement | None = None,
-                 limits: RequestLimits | None = None, deadlines: Deadlines | None = None) -> None:
+                 limits: RequestLimits | None = None, deadlines: Deadlines | None = None,
+                 session_prefetch: bool = True, hot_prefix_min: int = 4) -> None:
+        """`session_prefetch` and `hot_prefix_min` as GatewayConfig's fields of those names (these
+        defaults are theirs; the gateway passes its settings' values, see gateway.server.build_flow)."""
         self.model = model
         self.placement = placement or AlwaysRemote()
         self.limits = limits or RequestLimits()
@@ -131,10 +131,9 @@ class RequestFlow:
         self.limit = limit
         # The tracker also routes a session back to its last decode worker: it exists with the
         # session prefetch off too, so that turning prefetch off changes nothing else.
-        self.session_prefetch = os.environ.get("PDSERVE_SESSION_PREFETCH", "1") != "0"
+        self.session_prefetch = session_prefetch
         self.sessions = sessions or SessionTracker()
-        hot_min = int(os.environ.get("PDSERVE_HOT_PREFIX_MIN", "4"))
-        self.hot = hot or (HotPrefixes(min_requests=hot_min) if hot_min > 0 else None)
+        self.hot = hot or (HotPrefixes(min_requests=hot_prefix_min) if hot_prefix_min > 0 else None)
         self._session_task: asyncio.Task | None = None
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
@@ -160,10 +159,10 @@ class RequestFlow:
                         time_remaining: TimeRemaining) -> AsyncIterator[OutputChunk]:
         rid, sampling = request.request_id, request.sampling
         m = self.model
-        hashes = prompt_block_hashes(prompt_ids, m.block_size, m.fingerprint, m.kv_dtype)
+        hashes = m.kv_format.full_block_hashes(prompt_ids)
         cached_blocks, resident = await self._lookup(hashes)
         session_home = self._session_arrival(request.session_id)
-        blocks_needed = -(-(len(prompt_ids) + sampling.max_tokens) // m.block_size)
+        blocks_needed = m.kv_format.blocks_for(len(prompt_ids) + sampling.max_tokens)
         # Before prefill: no point computing KV nobody can decode.
         hinted = self.decode_pool.pick_decode(blocks_needed, resident, session_home)
         progress = StreamProgress(prompt_ids, sampling)
@@ -222,7 +221,8 @@ class RequestFlow:
         """Step 7: prefill on a prefill worker (remote) or on the decode worker (local)."""
         healthy = [ep for ep in self.prefill_pool.endpoints if ep.routable]
         return self.placement.place(PlacementInputs(
-            prompt_tokens=prompt_tokens, cached_tokens=min(cached_blocks * self.model.block_size, prompt_tokens),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=min(cached_blocks * self.model.kv_format.block_size, prompt_tokens),
             prefill_inflight=sum(ep.inflight for ep in healthy), prefill_healthy=len(healthy),
             decode_running=decode_ep.running, decode_inflight=decode_ep.inflight))
 
@@ -253,10 +253,8 @@ class RequestFlow:
                      prefill_worker: str) -> None:
         if not session_id or self.sessions is None:
             return
-        m = self.model
         tokens = prompt_ids + generated[:-1]  # the last token has no KV on the worker
-        self.sessions.finished(session_id, worker,
-                               prompt_block_hashes(tokens, m.block_size, m.fingerprint, m.kv_dtype), prefill_worker)
+        self.sessions.finished(session_id, worker, self.model.kv_format.full_block_hashes(tokens), prefill_worker)
 
     async def _prefetch_sessions_forever(self) -> None:
         while True:

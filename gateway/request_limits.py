@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from pdserve.config_flags import add_flags, build, flag_of, setting
+
 if TYPE_CHECKING:
     from gateway.flow import GenerationRequest
     from pdserve.runtime.sampling_params import SamplingParams
@@ -32,23 +34,31 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """Per-request limits of the gateway; every field is a positive bound (see `add_arguments`)."""
+    """Per-request limits of the gateway; every field is a positive bound and one flag (--help:
+    the field's text). Part of `gateway.config.GatewayConfig`."""
 
-    max_prompt_tokens: int = 32768  # tokens of the prompt or rendered chat
-    max_tokens: int = 4096  # a request's max_tokens (HTTP's default max_tokens is capped to it)
-    max_stop_strings: int = 4  # stop strings per request (OpenAI's limit)
-    max_stop_chars: int = 256  # characters of each stop string
-    max_messages: int = 1024  # messages of a chat
-    max_request_bytes: int = 8 << 20  # one gRPC request message / one HTTP request body
-    max_chars_per_token: int = 16  # prompt characters allowed per prompt token before tokenizing
-    max_id_chars: int = 256  # characters of a client's request_id and session_id (HTTP: X-Request-Id, user)
-    http_header_timeout_s: int = 10  # seconds a connection may take to send a request's head
-    http_body_timeout_s: int = 60  # seconds a request may take to send its body
+    max_prompt_tokens: int = setting(32768, "most tokens a prompt (or rendered chat) may have", metavar="N")
+    max_tokens: int = setting(4096, "largest max_tokens a request may ask for; also caps HTTP's default max_tokens",
+                              flag="--max-tokens-limit", metavar="N")
+    max_stop_strings: int = setting(4, "most stop strings per request (OpenAI's limit)", metavar="N")
+    max_stop_chars: int = setting(256, "most characters per stop string", metavar="N")
+    max_messages: int = setting(1024, "most messages per chat request", metavar="N")
+    max_request_bytes: int = setting(8 << 20, "largest gRPC request message and HTTP request body (bigger: "
+                                     "RESOURCE_EXHAUSTED / HTTP 413)", metavar="N")
+    max_chars_per_token: int = setting(16, "prompt characters allowed per token of the prompt limit, checked "
+                                       "before tokenizing (limit: min(--max-prompt-tokens, context window) x this)",
+                                       metavar="N")
+    max_id_chars: int = setting(256, "most characters of a client's request_id / session_id (HTTP: X-Request-Id "
+                                "/ user)", metavar="N")
+    http_header_timeout_s: int = setting(10, "seconds an HTTP connection may take to send a request's head (or "
+                                         "stay idle between requests) before it is closed", metavar="N")
+    http_body_timeout_s: int = setting(60, "seconds an HTTP request may take to send its body (then 408)",
+                                       metavar="N")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             if getattr(self, f.name) < 1:
-                raise ValueError(f"--{_flag(f.name)} must be >= 1, got {getattr(self, f.name)}")
+                raise ValueError(f"{flag_of(RequestLimits, f.name)} must be >= 1, got {getattr(self, f.name)}")
 
     def check_ids(self, request: GenerationRequest) -> None:
         """ValueError naming the limit when a client-chosen id is too long (checked first of all:
@@ -96,52 +106,11 @@ class RequestLimits:
                              f"{self.max_tokens} (--max-tokens-limit); ask for at most {self.max_tokens}")
 
 
-def _flag(field_name: str) -> str:
-    return {"max_tokens": "max-tokens-limit"}.get(field_name, field_name.replace("_", "-"))
-
-
-_HELP = {
-    "max_prompt_tokens": "most tokens a prompt (or rendered chat) may have",
-    "max_tokens": "largest max_tokens a request may ask for; also caps HTTP's default max_tokens",
-    "max_stop_strings": "most stop strings per request",
-    "max_stop_chars": "most characters per stop string",
-    "max_messages": "most messages per chat request",
-    "max_request_bytes": "largest gRPC request message and HTTP request body (bigger: "
-                         "RESOURCE_EXHAUSTED / HTTP 413)",
-    "max_chars_per_token": "prompt characters allowed per token of the prompt limit, checked before "
-                           "tokenizing (limit: min(--max-prompt-tokens, context window) x this)",
-    "max_id_chars": "most characters of a client's request_id / session_id (HTTP: X-Request-Id / user)",
-    "http_header_timeout_s": "seconds an HTTP connection may take to send a request's head (or stay "
-                             "idle between requests) before it is closed",
-    "http_body_timeout_s": "seconds an HTTP request may take to send its body (then 408)",
-}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per RequestLimits field, its default the field's."""
-    defaults = RequestLimits()
-    for f in fields(RequestLimits):
-        parser.add_argument(f"--{_flag(f.name)}", dest=f"limit_{f.name}", type=int, metavar="N",
-                            default=getattr(defaults, f.name),
-                            help=f"{_HELP[f.name]} (default {getattr(defaults, f.name)})")
+    add_flags(parser, RequestLimits)
 
 
 def limits_from_args(args: argparse.Namespace) -> RequestLimits:
     """The RequestLimits of parsed flags (defaults for flags the parser does not have)."""
-    defaults = RequestLimits()
-    return RequestLimits(**{f.name: getattr(args, f"limit_{f.name}", getattr(defaults, f.name))
-                            for f in fields(RequestLimits)})
-
-
-_current = RequestLimits()
-
-
-def current() -> RequestLimits:
-    """The gateway process's limits: the defaults until `use` (the gateway's flags at start) sets them."""
-    return _current
-
-
-def use(limits: RequestLimits | None) -> None:
-    """Make `limits` the process's limits (None: the defaults); read by the servers started after."""
-    global _current
-    _current = limits or RequestLimits()
+    return build(RequestLimits, args, {})

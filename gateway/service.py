@@ -27,8 +27,7 @@ from contextlib import aclosing
 
 import grpc
 
-from gateway import request_limits
-from gateway.convert import logprob_to_proto, sampling_from_proto
+from gateway.config import GatewayConfig
 from gateway.deployments import Catalog, as_catalog
 from gateway.experiments.report import ArmReport
 from gateway.flow import GenerationRequest, RequestFlow
@@ -39,6 +38,7 @@ from gateway.slo import SloMonitor
 from pdserve import log_privacy
 from pdserve.grpc_server import abort_on
 from pdserve.interceptors import metadata_value
+from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Serves Generate and Chat by routing each request (`Catalog`) through a deployment's RequestFlow."""
 
     def __init__(self, catalog: Catalog | RequestFlow, slo: SloMonitor | None = None,
-                 ids: RequestIds = IDS) -> None:
+                 ids: RequestIds = IDS, settings: GatewayConfig | None = None) -> None:
         catalog = self.catalog = as_catalog(catalog)  # a bare flow: one deployment, the default
-        self.limits = request_limits.current()  # the edge's: ids are checked before any routing
+        self.settings = settings or GatewayConfig()  # the gateway's (gateway.server); defaults in tests
+        self.limits = self.settings.limits  # the edge's: ids are checked before any routing
         self.ids = ids
         pools = [d.flow.prefill_pool for d in catalog.deployments.values()]
-        self.slo = slo or SloMonitor(replicas=lambda: sum(ep.healthy for p in pools for ep in p.endpoints))
+        self.slo = slo or SloMonitor(self.settings.slo,
+                                     replicas=lambda: sum(ep.healthy for p in pools for ep in p.endpoints))
         self._slo_task: asyncio.Task | None = None
 
     @abort_on()
@@ -112,7 +114,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         experiment, arm, reward = self.catalog.feedback(gateway_id, request.score)
         if request.comment:
             log.info("feedback on %s (%s/%s) %g: %s", request.request_id, experiment, arm, request.score,
-                     log_privacy.content(request.comment))  # user text: hidden unless PDSERVE_LOG_PROMPTS=1
+                     log_privacy.content(request.comment, self.settings.log_prompts))  # user text: hidden unless asked
         return gateway_pb2.FeedbackResponse(experiment=experiment, arm=arm, reward=reward or 0.0,
                                             pending=reward is None)
 

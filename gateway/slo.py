@@ -12,7 +12,8 @@ P99 and:
     evaluation; one fewer when P99 is under a third of the threshold; never below 1). An
     autoscaler (KEDA, HPA on external metrics) reads that gauge; the gateway never scales itself.
 
-Configuration: PDSERVE_SLO_TTFT_P99_MS (default 250), PDSERVE_SLO_WINDOW_S (60),
+Configuration: `SloConfig`, part of the gateway's config: --slo-ttft-p99-ms / PDSERVE_SLO_TTFT_P99_MS
+(default 250), --slo-window-s / PDSERVE_SLO_WINDOW_S (60), --slo-min-samples /
 PDSERVE_SLO_MIN_SAMPLES (20). The clock is injectable for tests.
 """
 
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Gauge
+
+from pdserve.config_flags import build, setting
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +52,31 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class SloConfig:
-    threshold_s: float = 0.250
-    window_s: float = 60.0
-    min_samples: int = 20
-    eval_interval_s: float = 1.0
+    """The SLO the monitor watches (module docstring); --help: each field's text."""
+
+    threshold_s: float = setting(0.250, "P99 time to first token the gateway aims for (the SLO monitor's "
+                                 "threshold)", flag="--slo-ttft-p99-ms", env="PDSERVE_SLO_TTFT_P99_MS", scale=1e3,
+                                 metavar="MS")
+    window_s: float = setting(60.0, "seconds of TTFTs the SLO monitor's P99 covers", flag="--slo-window-s",
+                              env="PDSERVE_SLO_WINDOW_S", metavar="S")
+    min_samples: int = setting(20, "TTFTs in the window before the SLO monitor judges it", flag="--slo-min-samples",
+                               env="PDSERVE_SLO_MIN_SAMPLES", metavar="N")
+    eval_interval_s: float = setting(1.0, "re-evaluate at most this often", flag=None)
+
+    def __post_init__(self) -> None:
+        if not self.threshold_s > 0:  # also refuses NaN
+            raise ValueError(f"--slo-ttft-p99-ms / PDSERVE_SLO_TTFT_P99_MS must be > 0, got {self.threshold_s * 1e3:g}")
+        if not self.window_s > 0:
+            raise ValueError(f"--slo-window-s / PDSERVE_SLO_WINDOW_S must be > 0 seconds, got {self.window_s:g}")
+        if self.min_samples < 1:
+            raise ValueError(f"--slo-min-samples / PDSERVE_SLO_MIN_SAMPLES must be >= 1, got {self.min_samples}")
+        if not self.eval_interval_s >= 0:
+            raise ValueError(f"eval_interval_s must be >= 0, got {self.eval_interval_s:g}")
 
     @classmethod
-    def from_env(cls) -> "SloConfig":
-        return cls(threshold_s=float(os.environ.get("PDSERVE_SLO_TTFT_P99_MS", "250")) / 1000,
-                   window_s=float(os.environ.get("PDSERVE_SLO_WINDOW_S", "60")),
-                   min_samples=int(os.environ.get("PDSERVE_SLO_MIN_SAMPLES", "20")))
+    def from_env(cls, env: Mapping[str, str]) -> SloConfig:
+        """The config of the PDSERVE_SLO_* variables of `env` (no flags)."""
+        return build(cls, None, env)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +92,7 @@ class SloMonitor:
 
     def __init__(self, config: SloConfig | None = None, replicas: Callable[[], int] = lambda: 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config or SloConfig.from_env()
+        self.config = config or SloConfig()
         self._replicas = replicas
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque()  # (time, ttft seconds), oldest first

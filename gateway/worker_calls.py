@@ -22,9 +22,9 @@ from typing import TypeVar
 import grpc
 
 from gateway.background import spawn
-from gateway.convert import logprob_from_proto, sampling_to_proto
 from gateway.workers import WorkerEndpoint
 from pdserve.grpc_server import ServiceError
+from pdserve.proto_convert import logprob_from_proto, sampling_to_proto
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import TokenLogprob
 from pdserve.v1 import worker_pb2, worker_pb2_grpc

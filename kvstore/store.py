@@ -11,8 +11,9 @@ block data bytes only.
 
 Watermarks: when a put would take the data above `high_watermark * capacity`, unpinned blocks
 are evicted until it fits under `low_watermark * capacity`, so that a burst of puts pays for one
-eviction sweep instead of one eviction per put (both default to 1.0: evict exactly what is
-needed). `on_evict(hash, data)` hears of every eviction (the Redis tier spills blocks it does not
+eviction sweep instead of one eviction per put. Both default to 1.0 here (evict exactly what is
+needed: the data structure on its own); the kvstore service's defaults, in process and from the
+command line alike, are `kvstore.config.KVStoreConfig`'s (0.95 / 0.85). `on_evict(hash, data)` hears of every eviction (the Redis tier spills blocks it does not
 hold yet).
 
 Not thread-safe: the gRPC service calls it from its single asyncio event loop.

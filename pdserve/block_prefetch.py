@@ -38,7 +38,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 import torch
@@ -46,7 +46,7 @@ from prometheus_client import Counter
 
 from kvstore.client import KVStoreProtocolError
 from pdserve.kvwire import KVBlockError, decode_block
-from pdserve.runtime.kv_transfer import import_cached_blocks, pin_cached_blocks
+from pdserve.runtime.pins import hold_owner
 from pdserve.v1 import worker_pb2
 from pdserve.worker_common import Worker, record_transfer
 from pdserve.worker_metrics import KV_BLOCKS_REJECTED, PREFETCH_BLOCKS
@@ -77,16 +77,16 @@ class BlockPrefetcher:
         self._staged: OrderedDict[bytes, tuple[torch.Tensor, float]] = OrderedDict()
         self._inflight: dict[bytes, tuple[str, asyncio.Future]] = {}  # hash -> (signal, fetch task)
         self._promoted: dict[bytes, str] = {}  # session/hot blocks put in the paged cache, not used yet
-        # hold_s: promoted blocks are pinned (referenced) until a request claims them or this long
-        # has passed, so that other requests' steps cannot evict a prefetch before its turn comes.
+        # hold_s: promoted chains are held by the engine (pdserve.runtime.pins) until a request is
+        # admitted on them, this long has passed, or a running prompt needs the room, so that other
+        # requests' steps cannot evict a prefetch before its turn comes.
         self.hold_s = hold_s
-        self._holds: dict[bytes, tuple[int, float]] = {}  # hash -> (block id, release deadline)
         self.hits = 0  # blocks a Decode found prefetched (any signal)
         self.rejected = 0  # blocks that failed their wire checks
         self.sources = dict.fromkeys(SOURCES, 0)  # what blocks_counter counts, also kept here
 
     def is_local(self, h: bytes) -> bool:
-        return self.worker.engine.block_manager.lookup(h) is not None
+        return self.worker.aengine.is_resident(h)  # a hint: the engine re-checks at admission
 
     def prefetch(self, hashes: Sequence[bytes], signal: str = "dispatch") -> tuple[int, int]:
         """Starts fetching what is neither local, staged nor in flight; returns (local, fetching)."""
@@ -131,7 +131,6 @@ class BlockPrefetcher:
                 source.setdefault(h, "fetched" if h in fetched else "missing")
         for h in hashes:
             self._count(source.get(h, "late"))
-        await self._release_holds([h for h in hashes if h in self._holds])
         return found
 
     def _count(self, source: str) -> None:
@@ -149,25 +148,6 @@ class BlockPrefetcher:
         """For a worker that reports no residency (prefill): promoted blocks that left the paged
         cache unused were wasted."""
         self.evicted([h for h in self._promoted if not self.is_local(h)])
-
-    async def expire_holds(self) -> None:
-        """Unpins held blocks whose time is up (they stay cached: a later request may still hit)."""
-        now = self._clock()
-        await self._release_holds([h for h, (_, deadline) in self._holds.items() if deadline <= now])
-
-    async def make_room(self, blocks: int, keep: Collection[bytes] = ()) -> None:
-        """Unpins held blocks but `keep` (the request's own), the soonest to expire first, until
-        `blocks` are free: a request that runs now beats a prefetch for a turn still to come."""
-        bm = self.worker.engine.block_manager
-        short = blocks - bm.num_free_blocks
-        if short > 0 and self._holds:
-            by_deadline = sorted((h for h in self._holds if h not in keep), key=lambda h: self._holds[h][1])
-            await self._release_holds(by_deadline[:short])
-
-    async def _release_holds(self, hashes: list[bytes]) -> None:
-        bids = [self._holds.pop(h)[0] for h in hashes if h in self._holds]
-        if bids:
-            await self.worker.aengine.call(lambda e: e.block_manager.release(bids))
 
     def _claim_promoted(self, h: bytes) -> str | None:
         """The signal that put `h` in the paged cache, if it is still there (counted as a hit)."""
@@ -201,33 +181,15 @@ class BlockPrefetcher:
 
     async def _promote(self, hashes: list[bytes], blocks: dict[bytes, torch.Tensor], signal: str,
                        chain_hashes: list[bytes]) -> None:
-        """Puts the fetched `hashes` into the paged cache; with hold_s, pins all of `chain_hashes`."""
+        """Puts the fetched `hashes` into the paged cache; with hold_s, the engine holds all of
+        `chain_hashes` (what was resident already is as evictable)."""
         chain = [h for h in hashes if h in blocks]
-
-        def place(engine) -> tuple[list[bytes], list[tuple[bytes, int]]]:
-            bm = engine.block_manager
-            new = [h for h in chain if bm.lookup(h) is None]
-            placed = new[:import_cached_blocks(engine, chain, blocks)]  # copied in, in chain order
-            if self.hold_s is None:
-                return placed, []
-            # Hold the whole chain, also what was resident already: it is as evictable.
-            keep = [h for h in chain_hashes if bm.lookup(h) is not None]
-            return placed, list(zip(keep, pin_cached_blocks(engine, keep)))
-        placed, held = await self.worker.aengine.call(place)
-        copied = len(placed)
+        hold = hold_owner(signal) if self.hold_s is not None else None
+        placed = await self.worker.aengine.place(chain, blocks, hold, chain_hashes, self.hold_s)
         for h in placed:
             self._promoted[h] = signal
-        deadline = self._clock() + (self.hold_s or 0.0)
-        extra = []  # pinned twice by two prefetches of the same chain landing together
-        for h, bid in held:
-            if h in self._holds:
-                extra.append(bid)
-            else:
-                self._holds[h] = (bid, deadline)
-        if extra:
-            await self.worker.aengine.call(lambda e: e.block_manager.release(extra))
-        if len(chain) > copied:  # no room in the paged cache: fetched for nothing
-            PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc(len(chain) - copied)
+        if len(chain) > len(placed):  # no room in the paged cache: fetched for nothing
+            PREFETCH_BLOCKS.labels(signal=signal, outcome="wasted").inc(len(chain) - len(placed))
 
     def _drop_stale(self) -> None:
         cutoff = self._clock() - STAGED_TTL_S
@@ -255,12 +217,12 @@ class BlockPrefetcher:
 
     def _decode_all(self, hashes: list[bytes], datas: list[bytes | None]) -> dict[bytes, torch.Tensor]:
         out, refused = {}, []
-        spec, key = self.worker.spec, self.worker.mac_key
+        fmt, key = self.worker.kv_format, self.worker.mac_key
         for h, data in zip(hashes, datas):
             if data is None:
                 continue
             try:
-                out[h], _ = decode_block(data, spec, h, key)
+                out[h], _ = decode_block(data, fmt, h, key)
             except KVBlockError as exc:
                 refused.append((h, exc))
                 KV_BLOCKS_REJECTED.labels(reason=exc.reason).inc()

@@ -6,12 +6,17 @@ accept the same message sizes as the channels made by `grpc_channel`, and stop t
 Servicer methods wrap themselves in `abort_on` so bad input becomes a gRPC status with a one-line
 message instead of a Python traceback in the client.
 
-Observability is installed here too, so no service has to: `start_server` sets up the process's
-tracer provider (`pdserve.telemetry`, PDSERVE_TRACES) and the tracing server interceptor, and
-serves the Prometheus default registry on `PDSERVE_METRICS_PORT` when that is set (on loopback
-unless `PDSERVE_METRICS_HOST` says otherwise); `grpc_channel`
-adds the client interceptors that propagate W3C trace context. With tracing off (the default)
-neither carries any interceptor.
+Observability and security (below) are configured by a `ProcessConfig`, the part of every
+service's config (GatewayConfig, KVStoreConfig, WorkerConfig) that is the same whatever the
+service: TLS, the internal token, tracing and /metrics. A service's main builds it once, from its
+flags and environment, and passes it to `start_server` and `grpc_channel`.
+
+Observability is installed here, so no service has to: `start_server` sets up the process's
+tracer provider (`pdserve.telemetry`, PDSERVE_TRACES) and the tracing server
+interceptor, and serves the Prometheus default registry on --metrics-port / PDSERVE_METRICS_PORT
+when that is set (on loopback unless --metrics-host / PDSERVE_METRICS_HOST says otherwise);
+`grpc_channel` adds the client interceptors that propagate W3C trace context. With tracing off
+(the default) neither carries any interceptor.
 
 Security is installed here for the same reason (docs/security.md): `start_server` serves TLS when
 the process has a certificate (`pdserve.tls`, PDSERVE_TLS_*), and an internal server (not
@@ -31,14 +36,17 @@ import os
 import signal
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import internal_auth, telemetry, tls
+from pdserve import internal_auth, telemetry
+from pdserve.config_flags import build, nested, setting
 from pdserve.grpc_decode import DecodeErrorInterceptor
+from pdserve.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,39 @@ METRICS_PORT_ENV = "PDSERVE_METRICS_PORT"
 METRICS_HOST_ENV = "PDSERVE_METRICS_HOST"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 _metrics_port: int | None = None  # the port this process serves /metrics on, once started
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessConfig:
+    """What every pdserve service process has, whatever the service: how its gRPC servers and
+    channels are secured and traced, and where it serves /metrics. Part of each service's config."""
+
+    tls: TlsConfig = nested(TlsConfig, "TLS of every gRPC port and channel (PDSERVE_TLS_*; pdserve.tls)")
+    # Environment only: a secret never goes on a command line (ps shows those to every user).
+    internal_token: str = setting("", "the internal token internal servers demand and channels send "
+                                  "(pdserve.internal_auth)", flag=None, load=internal_auth.token_from_env, repr=False)
+    # Environment only, as TLS: every process of a stack must agree, and the channels KVStoreClient
+    # and WorkerPool make (they take no ProcessConfig yet) trace as the environment says.
+    traces: str = setting("none", "span export: none, otlp (OTEL_EXPORTER_OTLP_* say where), console, or "
+                          "file:PATH (JSON lines; pdserve.telemetry)", flag=None, env=telemetry.TRACES_ENV)
+    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: a free one)",
+                                       env=METRICS_PORT_ENV, type=int, metavar="PORT", shown="off")
+    metrics_host: str = setting(DEFAULT_METRICS_HOST, "address /metrics listens on (it has no key: keep it "
+                                "off public interfaces)", env=METRICS_HOST_ENV, metavar="HOST")
+
+    def __post_init__(self) -> None:
+        telemetry.check_traces(self.traces)
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port / {METRICS_PORT_ENV} must be in 0..65535, got {self.metrics_port}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ProcessConfig:
+        """The config the environment `env` describes (no flags)."""
+        return build(cls, None, env)
+
+    @property
+    def tracing(self) -> bool:
+        return self.traces != "none"
 
 # Health servicers of the servers started here, so stop_server can flip them to NOT_SERVING
 # before draining (load balancers stop routing to a server that says it is going away).
@@ -74,72 +115,65 @@ async def start_server(
     max_receive_bytes: int | None = None,
     public: bool = False,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    process: ProcessConfig | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server on `bind` ("host:port"; port 0 picks a free one).
 
     `add_servicers` registers the service's servicers; `service_names` are their full names
     (e.g. "pdserve.v1.KVStore"), marked SERVING in health and listed by reflection.
     A `public` server (the gateway) checks neither the internal token nor client certificates;
-    `interceptors` run after tracing and the token check. Returns the server and its port.
+    `interceptors` run after tracing and the token check. `process`: the service's TLS, token,
+    tracing and /metrics (default: none of them). Returns the server and its port.
     """
-    telemetry.configure(telemetry.service_label(service_names))
-    start_metrics_http()
-    access = [] if public else internal_auth.server_interceptors()
+    process = process or ProcessConfig()
+    telemetry.configure(telemetry.service_label(service_names), process.traces)
+    start_metrics_http(process.metrics_port, process.metrics_host)
+    access = [] if public else internal_auth.server_interceptors(process.internal_token)
     server = grpc.aio.server(options=message_size_options(max_message_bytes, max_receive_bytes),
-                             interceptors=[*telemetry.server_interceptors(), *access, *interceptors,
+                             interceptors=[*telemetry.server_interceptors(process.tracing), *access, *interceptors,
                                            DecodeErrorInterceptor()])
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = _bind(server, bind, public)
+    port = _bind(server, bind, public, process.tls)
     await server.start()
     for name in [health.OVERALL_HEALTH, *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     _health_of[server] = health_servicer
-    log.info("serving %s on %s (port %d%s)", ", ".join(service_names), bind, port, _security_note(public))
+    log.info("serving %s on %s (port %d%s)", ", ".join(service_names), bind, port, _security_note(public, process))
     return server, port
 
 
-def start_metrics_http() -> int | None:
-    """Serve the Prometheus default registry at http://$PDSERVE_METRICS_HOST:$PDSERVE_METRICS_PORT/metrics
-    (host default 127.0.0.1), once per process; the port, or None when unset. A busy port is logged,
-    not fatal: metrics must never keep a service from serving."""
+def start_metrics_http(port: int | None = None, host: str = DEFAULT_METRICS_HOST) -> int | None:
+    """Serve the Prometheus default registry at http://host:port/metrics, once per process; the port
+    it serves on (that of the first call that started it), or None when `port` is None (off). A
+    busy port is logged, not fatal: metrics must never keep a service from serving."""
     global _metrics_port
-    raw = os.environ.get(METRICS_PORT_ENV, "").strip()
-    if _metrics_port is not None or not raw:
+    if _metrics_port is not None or port is None:
         return _metrics_port
-    host = os.environ.get(METRICS_HOST_ENV, "").strip() or DEFAULT_METRICS_HOST
     from prometheus_client import start_http_server
 
     try:
-        server, _ = start_http_server(int(raw), addr=host)
+        server, _ = start_http_server(port, addr=host)
     except (OSError, ValueError) as err:
-        log.warning("cannot serve /metrics on %s=%s %s=%s: %s", METRICS_HOST_ENV, host, METRICS_PORT_ENV, raw,
-                    err)
+        log.warning("cannot serve /metrics on %s port %d (--metrics-host/--metrics-port, %s/%s): %s", host, port,
+                    METRICS_HOST_ENV, METRICS_PORT_ENV, err)
         return None
     _metrics_port = server.server_port
     log.info("serving Prometheus metrics on %s port %d", host, _metrics_port)
     return _metrics_port
 
 
-def check_security_settings() -> None:
-    """Read this process's TLS and internal token settings now (PDSERVE_TLS_*, PDSERVE_INTERNAL_TOKEN*):
-    a bad one stops a service at start with a one-line ValueError, before it loads a model."""
-    tls.current()
-    internal_auth.current_token()
-
-
-def _security_note(public: bool) -> str:
-    config = tls.current()
+def _security_note(public: bool, process: ProcessConfig) -> str:
+    config = process.tls
     note = "" if not config.serves_tls else ", mutual TLS" if config.client_auth and not public else ", TLS"
-    return note + (", internal token required" if not public and internal_auth.current_token() else "")
+    return note + (", internal token required" if not public and process.internal_token else "")
 
 
-def _bind(server: grpc.aio.Server, bind: str, public: bool) -> int:
+def _bind(server: grpc.aio.Server, bind: str, public: bool, config: TlsConfig) -> int:
     # Depending on the grpc version a failed bind returns 0 or raises; make both one clear error.
-    config = tls.current()
     try:
         if config.serves_tls:
             port = server.add_secure_port(bind, config.server_credentials(public))
@@ -193,13 +227,21 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
-def grpc_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+def grpc_channel(target: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 process: ProcessConfig | None = None) -> grpc.aio.Channel:
     """An aio channel to `target` accepting the same message sizes as our servers, which
-    propagates trace context when tracing is on, dials TLS when the process has a certificate or
-    CA (`pdserve.tls`), and attaches the internal token when one is configured."""
-    config = tls.current()
+    propagates trace context when `process` traces, dials TLS when it has a certificate or CA
+    (`pdserve.tls`), and attaches its internal token when it has one.
+
+    Without `process`, the environment's: KVStoreClient and WorkerPool make their channels
+    without one for now (they take no ProcessConfig yet), and must dial as their service's main
+    configured it, which it did from the same environment."""
+    if process is None:
+        process = ProcessConfig.from_env(os.environ)
+    config = process.tls
     options = [*message_size_options(max_message_bytes), *config.channel_options(), *RECONNECT_OPTIONS]
-    interceptors = [*telemetry.client_interceptors(), *internal_auth.client_interceptors()] or None
+    interceptors = [*telemetry.client_interceptors(process.tracing),
+                    *internal_auth.client_interceptors(process.internal_token)] or None
     if config.dials_tls:
         return grpc.aio.secure_channel(target, config.channel_credentials(), options=options,
                                        interceptors=interceptors)

@@ -5,15 +5,15 @@ a network where TLS is not used or client certificates are not required. When
 PDSERVE_INTERNAL_TOKEN (or PDSERVE_INTERNAL_TOKEN_FILE, a file holding it, for secrets mounts)
 is set, the kvstore, prefill and decode servers refuse every call without
 `x-pdserve-internal-token: <token>` in its metadata (UNAUTHENTICATED; health and reflection stay
-open), and every channel made by `grpc_server.grpc_channel` attaches it. Read once per process;
-`use` sets it for in-process tests. The gateway's public port does not check it: clients there
-use API keys (`gateway.auth`).
+open), and every channel made by `grpc_server.grpc_channel` attaches it. A service's main reads it
+once (`token_from_env`, into its `grpc_server.ProcessConfig`) and hands it to its servers and
+channels. The gateway's public port does not check it: clients there use API keys (`gateway.auth`).
 """
 
 from __future__ import annotations
 
 import hmac
-import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +25,11 @@ TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
 TOKEN_FILE_ENV = "PDSERVE_INTERNAL_TOKEN_FILE"
 METADATA_KEY = "x-pdserve-internal-token"
 
-_token: str | None = None  # None: not read yet; "": none configured
-
-
-def token_from_env() -> str:
-    """The token of PDSERVE_INTERNAL_TOKEN, else of the file PDSERVE_INTERNAL_TOKEN_FILE names, else ""."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    path = os.environ.get(TOKEN_FILE_ENV, "").strip()
+def token_from_env(env: Mapping[str, str]) -> str:
+    """The token of PDSERVE_INTERNAL_TOKEN in `env`, else of the file PDSERVE_INTERNAL_TOKEN_FILE
+    names, else "" (none)."""
+    token = env.get(TOKEN_ENV, "").strip()
+    path = env.get(TOKEN_FILE_ENV, "").strip()
     if not token and path:
         try:
             token = Path(path).read_text().strip()
@@ -40,29 +38,13 @@ def token_from_env() -> str:
     return token
 
 
-def current_token() -> str:
-    """This process's internal token ("" = none), read from the environment on first use."""
-    global _token
-    if _token is None:
-        _token = token_from_env()
-    return _token
-
-
-def use(token: str | None) -> None:
-    """Make `token` this process's internal token (None: read the environment again on next use)."""
-    global _token
-    _token = token
-
-
-def client_interceptors() -> list[Any]:
-    """Interceptors attaching the token to every call ([] when none is configured)."""
-    token = current_token()
+def client_interceptors(token: str) -> list[Any]:
+    """Interceptors attaching `token` to every call ([] when it is "": none configured)."""
     return metadata_adders(METADATA_KEY, token) if token else []
 
 
-def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    """The interceptor refusing calls without the token ([] when none is configured)."""
-    token = current_token()
+def server_interceptors(token: str) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptor refusing calls without `token` ([] when it is "": none configured)."""
     return [TokenInterceptor(token)] if token else []
 
 

@@ -7,8 +7,9 @@ key, every reader verifies before the block can reach the model, and a block tha
 recomputed. The kvstore never needs the key: it stores the MAC as part of the opaque block bytes.
 
 The key comes from PDSERVE_KV_MAC_KEY (the secret itself) or PDSERVE_KV_MAC_KEY_FILE (a file
-holding it, for secrets mounts), read once per process; `use` sets it for in-process tests.
-Every worker of a cluster needs the same key. `pdserve up` generates one for its children when
+holding it, for secrets mounts), read once by the worker's main (`key_from_env`, into its
+`pdserve.worker_config.WorkerConfig`), which hands it to the worker. Every worker of a cluster
+needs the same key. `pdserve up` generates one for its children when
 none is set; `generate_key` makes one.
 """
 
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 KEY_ENV = "PDSERVE_KV_MAC_KEY"
@@ -27,37 +28,29 @@ NO_MAC = bytes(MAC_SIZE)  # what an unsigned block (written without a key) carri
 # Domain separation: a MAC made for a KV block is never valid for anything else keyed alike.
 _DOMAIN = b"pdserve-kv-block-mac-v1\0"
 
-_key: bytes | None = None  # None: not read yet; b"": none configured
+MIN_KEY_CHARS = 16
 
 
-def key_from_env() -> bytes:
-    """The key of PDSERVE_KV_MAC_KEY, else of the file PDSERVE_KV_MAC_KEY_FILE names, else b""."""
-    key = os.environ.get(KEY_ENV, "").strip()
-    path = os.environ.get(KEY_FILE_ENV, "").strip()
+def key_from_env(env: Mapping[str, str]) -> bytes:
+    """The key of PDSERVE_KV_MAC_KEY in `env`, else of the file PDSERVE_KV_MAC_KEY_FILE names, else
+    b"" (none); ValueError when it is too short (`check_key`)."""
+    key = env.get(KEY_ENV, "").strip()
+    path = env.get(KEY_FILE_ENV, "").strip()
     if not key and path:
         try:
             key = Path(path).read_text().strip()
         except OSError as err:
             raise ValueError(f"{KEY_FILE_ENV}={path}: {err.strerror or err}") from err
-    if key and len(key) < 16:
+    return check_key(key.encode())
+
+
+def check_key(key: bytes) -> bytes:
+    """`key`, unless it is set and shorter than MIN_KEY_CHARS (ValueError naming the variables)."""
+    if key and len(key) < MIN_KEY_CHARS:
         # A short key could be guessed offline from one genuine block; refuse it at start.
         raise ValueError(f"the KV MAC key ({KEY_ENV} / {KEY_FILE_ENV}) is {len(key)} characters; use at least "
-                         f"16, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
-    return key.encode()
-
-
-def current_key() -> bytes:
-    """This process's KV MAC key (b"" = none), read from the environment on first use."""
-    global _key
-    if _key is None:
-        _key = key_from_env()
-    return _key
-
-
-def use(key: bytes | str | None) -> None:
-    """Make `key` this process's KV MAC key (None: read the environment again on next use)."""
-    global _key
-    _key = key.encode() if isinstance(key, str) else key
+                         f"{MIN_KEY_CHARS}, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
+    return key
 
 
 def generate_key() -> str:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import kv_mac
-from pdserve.runtime.kv_cache import cache_rows, format_name
+from pdserve.runtime.kv_cache import format_name
+from pdserve.runtime.kv_format import KVFormat
 
 MAGIC = b"PDKV"
 VERSION = 2
@@ -75,30 +76,6 @@ class KVMacError(KVBlockError):
 
 
 @dataclass(frozen=True, slots=True)
-class BlockSpec:
-    """What a reader expects of a block: the model that made it and the cache layout."""
-
-    fingerprint: str  # 32 hex chars identifying the model weights and config
-    dtype: torch.dtype
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-
-    @property
-    def shape(self) -> tuple[int, int, int, int, int]:
-        """[layers, 2, rows, KVH, D]: rows = block_size, + 1 scale row for int8 / fp8."""
-        return (self.num_layers, 2, cache_rows(self.block_size, self.dtype), self.num_kv_heads, self.head_dim)
-
-    @property
-    def payload_bytes(self) -> int:
-        count = 1
-        for n in self.shape:
-            count *= n
-        return count * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True, slots=True)
 class BlockHeader:
     """The decoded header of one block."""
 
@@ -125,7 +102,7 @@ def _fingerprint_bytes(fingerprint: str) -> bytes:
     return raw
 
 
-def encode_block(block: torch.Tensor, spec: BlockSpec, num_tokens: int, block_hash: bytes = b"",
+def encode_block(block: torch.Tensor, spec: KVFormat, num_tokens: int, block_hash: bytes = b"",
                  mac_key: bytes = b"") -> bytes:
     """Encode `block` (shape and dtype per `spec`) holding `num_tokens` valid slots; with `mac_key`,
     signed for the content hash `block_hash` (readers check it against the hash they asked for)."""
@@ -164,7 +141,7 @@ def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
     return BlockHeader(version, *fields)
 
 
-def _check_header(header: BlockHeader, spec: BlockSpec) -> None:
+def _check_header(header: BlockHeader, spec: KVFormat) -> None:
     """Raise KVBlockError naming the first header field that differs from `spec`."""
     expected_fp = _fingerprint_bytes(spec.fingerprint)
     if header.fingerprint != expected_fp:
@@ -186,7 +163,7 @@ def _check_header(header: BlockHeader, spec: BlockSpec) -> None:
         raise KVBlockError(f"payload length {header.payload_len} != {spec.payload_bytes}")
 
 
-def decode_block(data: bytes | bytearray | memoryview, spec: BlockSpec, block_hash: bytes = b"",
+def decode_block(data: bytes | bytearray | memoryview, spec: KVFormat, block_hash: bytes = b"",
                  mac_key: bytes = b"") -> tuple[torch.Tensor, int]:
     """Decode wire bytes into (block tensor, num_tokens), checking every header field against `spec`
     and, with `mac_key`, the MAC for the content hash `block_hash` (KVMacError when it fails).

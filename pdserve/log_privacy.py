@@ -3,39 +3,23 @@
 Prompts, chat messages, feedback comments and generated text are the users' data, and API keys
 and URL passwords are credentials; none of them belongs in a log by default (logs are shipped,
 kept and read by more people than the API's clients). Every log line that could carry user text
-passes it through `content`, which returns a placeholder naming its length unless
-PDSERVE_LOG_PROMPTS=1 (read once per process; `use` for tests) turns content logging on for a
-debugging session. Credentials never go into a log, whatever the flag: `url` drops the password
+passes it through `content`, which returns a placeholder naming its length unless the caller's
+config says content may be shown (the gateway's `log_prompts`: --log-prompts or
+PDSERVE_LOG_PROMPTS=1, for a debugging session). Credentials never go into a log, whatever the flag: `url` drops the password
 of a URL. API keys are never logged at all (`gateway.auth` names keys by their `name=`).
 """
 
 from __future__ import annotations
 
-import os
 from urllib.parse import urlsplit, urlunsplit
 
 LOG_PROMPTS_ENV = "PDSERVE_LOG_PROMPTS"
 
-_enabled: bool | None = None
 
-
-def prompts_logged() -> bool:
-    """True when PDSERVE_LOG_PROMPTS=1: logs may show request content (debugging only)."""
-    global _enabled
-    if _enabled is None:
-        _enabled = os.environ.get(LOG_PROMPTS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-    return _enabled
-
-
-def use(enabled: bool | None) -> None:
-    """Turn content logging on or off for this process (None: read the environment again)."""
-    global _enabled
-    _enabled = enabled
-
-
-def content(text: str, limit: int = 500) -> str:
-    """`text` (cut to `limit` characters) when content logging is on, else "<N chars hidden>"."""
-    if prompts_logged():
+def content(text: str, shown: bool = False, limit: int = 500) -> str:
+    """`text` (cut to `limit` characters) when `shown` (content logging is on), else
+    "<N chars hidden>"; hidden unless asked, so a caller without the setting leaks nothing."""
+    if shown:
         return text[:limit]
     return f"<{len(text)} chars hidden; {LOG_PROMPTS_ENV}=1 shows them>"
 

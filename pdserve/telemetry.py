@@ -1,6 +1,7 @@
 """Tracing for every pdserve process: one tracer provider per service, set up here and only here.
 
-Configuration is by environment, read once per process (children inherit it from `pdserve up`):
+Configuration is a service's `grpc_server.ProcessConfig.traces`, which its main reads from the
+environment (children inherit it from `pdserve up`; every process of a stack must agree):
 
     PDSERVE_TRACES=none            (default) no provider, no interceptors, no span objects at all
     PDSERVE_TRACES=otlp            OTLP/gRPC batch export; endpoint etc. from the standard
@@ -9,8 +10,10 @@ Configuration is by environment, read once per process (children inherit it from
     PDSERVE_TRACES=file:/path.jsonl  every finished span appended as one JSON line (tests: every
                                    process of a stack writes the same file)
 
-`configure(service)` installs the provider (called by `grpc_server.start_server`; the service's
-name becomes `service.name`, e.g. "pdserve-decode"). W3C trace context travels in gRPC metadata:
+`configure(service, traces)` installs the provider (called by `grpc_server.start_server`, and by a
+worker before it builds its engine; the service's name becomes `service.name`, e.g.
+"pdserve-decode"). The provider is process-wide (OpenTelemetry allows one per process), and so is
+`enabled()`, which says whether `configure` installed one. W3C trace context travels in gRPC metadata:
 `client_interceptors()` (installed by `grpc_server.grpc_channel`) inject it, `server_interceptors()`
 (installed by `start_server`) extract it and wrap each handler in a SERVER span, so one trace shows
 gateway -> prefill -> kvstore -> decode.
@@ -53,31 +56,33 @@ _UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
 _propagator = TraceContextTextMapPropagator()  # W3C traceparent/tracestate only
 _lock = threading.Lock()
-_mode: str | None = None  # parsed PDSERVE_TRACES, None until first read
+# What `configure` installed: the tracer provider is OpenTelemetry's, one per process, so the
+# switch that follows it is too ("none" until a service configures tracing).
+_mode = "none"
 _configured_service: str | None = None
 
 
+def check_traces(value: str) -> str:
+    """`value` when it is an exporter `configure` knows ("none", "otlp", "console", "file:<path>")."""
+    if value not in ("none", "otlp", "console") and not (value.startswith("file:") and len(value) > 5):
+        raise ValueError(f"{TRACES_ENV} must be none, otlp, console or file:PATH, got {value!r}")
+    return value
+
+
 def traces_mode() -> str:
-    """The configured exporter: "none", "otlp", "console" or "file:<path>" (read once per process)."""
-    global _mode
-    if _mode is None:
-        raw = os.environ.get(TRACES_ENV, "none").strip() or "none"
-        if raw not in ("none", "otlp", "console") and not raw.startswith("file:"):
-            log.warning("%s=%r is not none|otlp|console|file:PATH; tracing stays off", TRACES_ENV, raw)
-            raw = "none"
-        _mode = raw
+    """The exporter `configure` installed: "none", "otlp", "console" or "file:<path>"."""
     return _mode
 
 
 def enabled() -> bool:
     """True when spans are exported; the one check hot paths make before doing any tracing work."""
-    return traces_mode() != "none"
+    return _mode != "none"
 
 
 def reset_for_tests() -> None:
-    """Forget the cached mode so a test can change PDSERVE_TRACES (the provider itself stays)."""
+    """Turn tracing off again for the next test (the provider itself stays: one per process)."""
     global _mode
-    _mode = None
+    _mode = "none"
 
 
 def service_label(service_names: Sequence[str]) -> str:
@@ -89,10 +94,12 @@ def service_label(service_names: Sequence[str]) -> str:
             "Gateway": "gateway"}.get(short, short.lower())
 
 
-def configure(service: str) -> None:
-    """Install this process's tracer provider for `service` (idempotent; first call wins)."""
-    global _configured_service
-    if not enabled():
+def configure(service: str, traces: str = "none") -> None:
+    """Install this process's tracer provider for `service`, exporting as `traces` says (a
+    `check_traces` value; "none": nothing is installed). Idempotent: the first call that turns
+    tracing on wins."""
+    global _configured_service, _mode
+    if check_traces(traces) == "none":
         return
     with _lock:
         if _configured_service is not None:
@@ -102,9 +109,10 @@ def configure(service: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
-    provider.add_span_processor(_span_processor(traces_mode()))
+    provider.add_span_processor(_span_processor(traces))
     trace.set_tracer_provider(provider)
-    log.info("tracing on for %s: %s", service, traces_mode())
+    _mode = traces
+    log.info("tracing on for %s: %s", service, traces)
 
 
 def _span_processor(mode: str):
@@ -190,16 +198,19 @@ def _untraced(method: str) -> bool:
     return method.startswith(_UNTRACED_PREFIXES)
 
 
-def client_interceptors() -> list[Any]:
-    """Interceptors that trace and propagate every call of a channel ([] when tracing is off)."""
-    if not enabled():
+def client_interceptors(on: bool | None = None) -> list[Any]:
+    """Interceptors that trace and propagate every call of a channel ([] when tracing is off).
+    `on`: whether the channel's process traces (its config says so before `configure` ran: the
+    gateway dials its workers before its server starts); None: whether `configure` turned it on."""
+    if not (enabled() if on is None else on):
         return []
     return interceptors.client_interceptors_of(_trace_client_call)
 
 
-def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    """The interceptor that opens a SERVER span per traced RPC ([] when tracing is off)."""
-    return [_ServerTracer()] if enabled() else []
+def server_interceptors(on: bool | None = None) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptor that opens a SERVER span per traced RPC ([] when tracing is off; `on` as
+    for `client_interceptors`)."""
+    return [_ServerTracer()] if (enabled() if on is None else on) else []
 
 
 async def _trace_client_call(continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails,

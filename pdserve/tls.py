@@ -18,8 +18,8 @@ knowing about TLS. The variables (all optional; none set = plaintext, as before)
                              dialled host (a certificate shared by replicas, tests)
 
 A process with a certificate serves TLS on its gRPC port (and the gateway on its HTTP port); a
-process with a certificate or a CA dials TLS. `current()` is the process's config; `use()` sets
-it (tests that run servers in-process).
+process with a certificate or a CA dials TLS. A service's main reads them once (`TlsConfig.from_env`,
+as part of its `grpc_server.ProcessConfig`) and hands the config to its servers and channels.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.config_flags import build, setting
+
 ENV_PREFIX = "PDSERVE_TLS_"
-_TRUE = ("1", "true", "yes", "on")
 
 
 class TlsConfigError(ValueError):
@@ -44,11 +45,16 @@ class TlsConfigError(ValueError):
 class TlsConfig:
     """Where this process's certificate, key and trusted CA live, and whether to demand client certs."""
 
-    cert: str = ""  # PEM certificate chain path; "" = this process serves plaintext
-    key: str = ""  # PEM private key path of `cert`
-    ca: str = ""  # PEM CA bundle path verifying peers; "" = system roots (clients), no client auth
-    client_auth: bool = False  # internal servers require a client certificate signed by `ca`
-    server_name: str = ""  # the name checked on servers' certificates instead of the dialled host
+    # Environment only (flag=None): every process of a stack needs the same (module docstring).
+    cert: str = setting("", "PEM certificate chain path; empty: this process serves plaintext",
+                        flag=None, env=ENV_PREFIX + "CERT")
+    key: str = setting("", "PEM private key path of the certificate", flag=None, env=ENV_PREFIX + "KEY")
+    ca: str = setting("", "PEM CA bundle path verifying peers; empty: system roots (clients), no client auth",
+                      flag=None, env=ENV_PREFIX + "CA")
+    client_auth: bool = setting(False, "internal servers require a client certificate signed by the CA",
+                                flag=None, env=ENV_PREFIX + "CLIENT_AUTH")
+    server_name: str = setting("", "the name checked on servers' certificates instead of the dialled host",
+                               flag=None, env=ENV_PREFIX + "SERVER_NAME")
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
@@ -61,13 +67,9 @@ class TlsConfig:
                 raise TlsConfigError(f"{ENV_PREFIX}{name}={path}: no such file")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> TlsConfig:
-        """The config the PDSERVE_TLS_* variables of `env` (default: this process's) describe."""
-        env = os.environ if env is None else env
-
-        def get(name: str) -> str:
-            return env.get(ENV_PREFIX + name, "").strip()
-        return cls(get("CERT"), get("KEY"), get("CA"), get("CLIENT_AUTH").lower() in _TRUE, get("SERVER_NAME"))
+    def from_env(cls, env: Mapping[str, str]) -> TlsConfig:
+        """The config the PDSERVE_TLS_* variables of `env` describe."""
+        return build(cls, None, env)
 
     @property
     def serves_tls(self) -> bool:
@@ -115,18 +117,8 @@ def _read(path: str) -> bytes:
         raise TlsConfigError(f"cannot read TLS file {path}: {err.strerror or err}") from err
 
 
-_current: TlsConfig | None = None
-
-
 def current() -> TlsConfig:
-    """This process's TLS config: PDSERVE_TLS_* read on first use, or what `use` set."""
-    global _current
-    if _current is None:
-        _current = TlsConfig.from_env()
-    return _current
-
-
-def use(config: TlsConfig | None) -> None:
-    """Make `config` this process's TLS config (None: read the environment again on next use)."""
-    global _current
-    _current = config
+    """The TLS this process's environment describes, read now and kept nowhere: for
+    `pdserve.healthcheck`, a command of its own run next to a service (servers and channels are
+    handed their config by their main instead)."""
+    return TlsConfig.from_env(os.environ)

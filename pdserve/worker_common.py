@@ -20,13 +20,15 @@ import grpc
 from kvstore.client import KVStoreClient, PutResult
 from pdserve import kv_mac
 from pdserve.engine_args import build_engine
-from pdserve.grpc_server import (DEFAULT_ERROR_CODES, check_security_settings, mark_not_serving, serve_until_signal,
-                                 start_server)
-from pdserve.kvwire import BlockSpec, encode_block
+from pdserve import telemetry
+from pdserve.grpc_server import DEFAULT_ERROR_CODES, mark_not_serving, serve_until_signal, start_server
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
-from pdserve.runtime.engine import Engine, QueueFullError
+from pdserve.runtime.engine import QueueFullError
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2
+from pdserve.worker_config import ENGINE_FAULT_ENV, WorkerConfig  # noqa: F401 (ENGINE_FAULT_ENV: re-exported)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -34,8 +36,6 @@ T = TypeVar("T")
 # A kvstore call that takes longer is given up (the worker computes the KV instead): a store that
 # hangs rather than dies must not hang requests. Generous, as one call may move hundreds of MB.
 KVSTORE_TIMEOUT_S = 30.0
-# Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
-ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
 
 # Engine exceptions -> gRPC status codes (first match wins).
 WORKER_ERROR_CODES = {
@@ -81,24 +81,23 @@ class Worker:
     worker_id: str
     aengine: AsyncEngine
     kv: KVStoreClient
-    spec: BlockSpec
+    kv_format: KVFormat  # of this worker's blocks: their hashes and wire header
     counters: TransferCounters
     kv_outage: KVOutage = field(default_factory=KVOutage)
     # The cluster KV MAC key (pdserve.kv_mac; b"": blocks go unsigned and are read unchecked).
     mac_key: bytes = field(default=b"", repr=False)
-
-    @property
-    def engine(self) -> Engine:
-        return self.aengine.engine
+    # Every worker setting (run_worker built it from the flags and environment): what the
+    # servicers read instead of the environment. The defaults for workers built in tests.
+    config: WorkerConfig = field(default_factory=WorkerConfig)
 
     def stats(self) -> worker_pb2.WorkerStats:
-        e, bm = self.engine, self.engine.block_manager
+        load = self.aengine.load
         return worker_pb2.WorkerStats(
-            worker_id=self.worker_id, num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
-            num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
-            num_blocks_cached=bm.num_cached_blocks, num_steps=e.stats.steps,
-            max_batch_size=e.stats.max_batch_size, batch_size_counts=dict(e.stats.batch_size_counts),
-            tokens_generated=e.stats.tokens_generated, kv_bytes_received=self.counters.kv_bytes_received,
+            worker_id=self.worker_id, num_running=load.num_running, num_waiting=load.num_waiting,
+            num_blocks_total=load.num_blocks_total, num_blocks_free=load.num_blocks_free,
+            num_blocks_cached=load.num_blocks_cached, num_steps=load.num_steps,
+            max_batch_size=load.max_batch_size, batch_size_counts=load.batch_size_counts,
+            tokens_generated=load.tokens_generated, kv_bytes_received=self.counters.kv_bytes_received,
             kv_bytes_sent=self.counters.kv_bytes_sent)
 
 
@@ -173,10 +172,9 @@ def record_transfer(worker: Worker, direction: str, nbytes: int, seconds: float)
 async def put_blocks(worker: Worker, lease: str, blocks: Sequence[ExportedBlock]) -> PutResult:
     """Wire-encode exported blocks (off the loop) and put them into the kvstore under `lease` ("":
     unpinned), counting the bytes sent. Raises grpc.aio.AioRpcError when the store fails."""
-    spec = worker.spec
-    key = worker.mac_key
+    fmt, key = worker.kv_format, worker.mac_key
     encoded = await asyncio.to_thread(
-        lambda: [(b.hash, encode_block(b.data, spec, b.num_tokens, b.hash, key)) for b in blocks])
+        lambda: [(b.hash, encode_block(b.data, fmt, b.num_tokens, b.hash, key)) for b in blocks])
     start = time.perf_counter()
     result = await worker.kv.put_blocks(lease, encoded)
     nbytes = sum(len(d) for _, d in encoded)
@@ -185,24 +183,17 @@ async def put_blocks(worker: Worker, lease: str, blocks: Sequence[ExportedBlock]
     return result
 
 
-def block_spec(engine: Engine) -> BlockSpec:
-    c = engine.model_config
-    return BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
-                     engine.block_manager.block_size)
-
-
-def make_worker(args: argparse.Namespace) -> Worker:
+def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
+    """The worker of the engine flags `args` (pdserve.engine_args) and the worker's `config`."""
     engine, _ = build_engine(args)
-    aengine = AsyncEngine(engine, batch_window_s=args.batch_window_ms / 1000,
+    aengine = AsyncEngine(engine, batch_window_s=config.batch_window_s,
                           max_streams=args.max_waiting + args.max_batch_size).start()
-    fault_after = os.environ.get(ENGINE_FAULT_ENV, "").strip()
-    if fault_after:
-        if not fault_after.isdigit():
-            raise ValueError(f"{ENGINE_FAULT_ENV} must be a whole number of engine steps, got {fault_after!r}")
-        aengine.inject_fault_for_tests(int(fault_after))
-    worker_id = args.worker_id or f"{socket.gethostname()}:{args.bind.rsplit(':', 1)[-1]}"
-    kv = KVStoreClient(args.kvstore, timeout_s=KVSTORE_TIMEOUT_S)
-    return Worker(worker_id, aengine, kv, block_spec(engine), TransferCounters(), mac_key=kv_mac.current_key())
+    if config.engine_fault_after_steps:
+        aengine.inject_fault_for_tests(config.engine_fault_after_steps)
+    worker_id = config.worker_id or f"{socket.gethostname()}:{config.bind.rsplit(':', 1)[-1]}"
+    kv = KVStoreClient(config.kvstore, timeout_s=KVSTORE_TIMEOUT_S)
+    return Worker(worker_id, aengine, kv, engine.kv_format, TransferCounters(), mac_key=config.kv_mac_key,
+                  config=config)
 
 
 def warn_if_unsigned(mac_key: bytes) -> None:
@@ -215,19 +206,24 @@ def warn_if_unsigned(mac_key: bytes) -> None:
 
 def run_worker(args: argparse.Namespace, service_name: str,
                add_servicer: Callable[[Worker, grpc.aio.Server], None]) -> int:
-    """Builds the worker, serves until SIGINT/SIGTERM, then stops cleanly."""
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {service_name.rsplit('.', 1)[-1]} %(levelname)s %(message)s")
+    """Builds the worker's config (the flags and the environment, read here once) and the worker,
+    serves until SIGINT/SIGTERM, then stops cleanly; 2 with a one-line message when a setting is bad
+    (before any model is loaded)."""
+    name = service_name.rsplit(".", 1)[-1]
     try:
-        check_security_settings()
-        warn_if_unsigned(kv_mac.current_key())
+        config = WorkerConfig.from_args(args, os.environ)
     except ValueError as err:
-        print(f"pdserve {service_name.rsplit('.', 1)[-1]}: {err}", file=sys.stderr)
+        print(f"pdserve {name}: {err}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    warn_if_unsigned(config.kv_mac_key)
 
     async def main() -> None:
-        worker = make_worker(args)  # inside the loop: the kvstore channel binds to it
-        server, port = await start_server(args.bind, lambda s: add_servicer(worker, s), [service_name])
+        # Before the engine exists: it asks once, when built, whether the process traces.
+        telemetry.configure(telemetry.service_label([service_name]), config.process.traces)
+        worker = make_worker(args, config)  # inside the loop: the kvstore channel binds to it
+        server, port = await start_server(config.bind, lambda s: add_servicer(worker, s), [service_name],
+                                          process=config.process)
         report_engine_failure(worker, server)
         log.info("%s %s listening on port %d", service_name, worker.worker_id, port)
         try:

@@ -133,3 +133,74 @@ def smollm2():
     from pdserve.runtime.loader import load_checkpoint
 
     return load_checkpoint(smollm2_path())
+
+
+# --- Test tiers: `pytest -m "not stack"` is the fast inner loop ----------------------------------
+# The `stack` marker (registered in pyproject.toml) goes on every test that starts real server
+# processes: pdserve.stack.start_stack, a `pdserve` command (or `python -m kvstore.server`) as a
+# subprocess, `pdserve up`, the supervisor, or redis-server (redis_fixture.RedisServer). It is put
+# on here, not in the test files, from the three explicit sets below. tests/test_test_tiers.py
+# scans tests/*.py and fails when a test that starts processes is in none of them.
+
+# Modules about the running stack: every test in them (or all but a trivial one) starts processes.
+STACK_MODULES = {
+    "test_chat_page.py",  # headless Chromium against a real stack (`stack`)
+    "test_decode_death.py",  # decode workers SIGSTOPped / SIGKILLed under load
+    "test_experiments_stack.py",  # two real deployments (FP32, INT8) behind one gateway
+    "test_fuzz_grpc.py",  # hypothesis against a running stack (fuzz_support.stack_fixture)
+    "test_fuzz_http.py",  # the same over HTTP
+    "test_kv_mac.py",  # `--internal-token` stack with redis-server
+    "test_kvstore_death.py",  # kvstore and redis-server killed under load
+    "test_redis_refill.py",  # redis-server restarted under a tiered kvstore
+    "test_security_stack.py",  # TLS / mTLS / API keys on a real stack
+    "test_session_prefetch_stack.py",  # stack + redis-server, session prefetch
+    "test_smollm2_stack.py",  # SmolLM2 through the stack over gRPC and HTTP
+    "test_stack.py",  # parity, batching, cancellation through a 2+2 stack
+    "test_stack_faults.py",  # prefill / decode / gateway SIGKILLed mid-stream
+    "test_up_supervisor.py",  # `pdserve up` and the Supervisor with real children
+}
+
+# Fixtures that start processes. An item needing one, directly or through another fixture
+# (item.fixturenames is the whole closure), is marked; so are the stack tests of mixed modules.
+STACK_FIXTURES = {
+    "stack",  # start_stack in a module fixture: test_http_api, test_prefix_cache, test_prefill_cancel_race,
+              # test_fuzz_kvwire (fuzz_support.stack_fixture), and the stack modules above
+    "conditional_stack",  # test_disagg: a stack with --disagg-policy conditional
+    "overloaded_stack",  # test_admission: a stack with a 1 ms TTFT SLO
+    "spans",  # test_tracing: a stack exporting spans to a file
+    "redis_for_stack",  # test_prefix_cache: redis-server for its stack
+    "redis_server",  # redis_fixture: a redis-server per test (test_kvstore_tiers, ...)
+    "redis_server_module",  # redis_fixture: a redis-server per module
+}
+
+# Single tests of otherwise fast modules that start processes in their own body ("file::function").
+STACK_TESTS = {
+    "test_bench_disagg.py::test_tiny_run_on_real_stacks",  # `pdserve bench-disagg`: two stacks
+    "test_bench_overload.py::test_bench_overload_runs_both_gateways",  # `pdserve bench-overload`: a stack
+    "test_http_api.py::test_up_refuses_a_busy_http_port_and_reports_off",  # `pdserve up` subprocess
+    "test_kv_int8.py::test_stack_with_int8_kv_equals_in_process_int8_engine",  # start_stack --kv-dtype int8
+    "test_kvstore.py::test_server_main_stops_gracefully_on_sigterm",  # `python -m kvstore.server`
+    "test_prefill_cancel_race.py::test_engine_failure_turns_the_worker_not_serving",  # `pdserve prefill`
+    "test_quant_serving.py::test_stack_serves_the_quantized_model",  # start_stack on an INT8 checkpoint
+    "test_secure_defaults.py::test_standalone_worker_without_a_key_warns_once",  # `pdserve prefill`
+    "test_secure_defaults.py::test_a_short_key_stops_a_worker_without_echoing_it",  # `pdserve decode`
+    "test_secure_defaults.py::test_secrets_command_creates_compose_secrets_once",  # `pdserve secrets` x2
+    "test_soak.py::test_soak_with_a_decode_kill_keeps_the_invariants",  # `pdserve soak`: a stack
+    "test_up.py::test_supervisor_reports_a_dead_child_and_kills_stubborn_ones",  # Supervisor, real children
+    "test_up.py::test_supervisor_startup_timeout_names_the_child",  # Supervisor, a real child
+    "test_up.py::test_up_serves_and_stops_cleanly_on_sigterm",  # `pdserve up` subprocess
+}
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    """Whether the test is in the `stack` tier (the sets above)."""
+    name = item.path.name
+    function = getattr(item, "originalname", None) or item.name  # without a parametrize id
+    return (name in STACK_MODULES or f"{name}::{function}" in STACK_TESTS
+            or not STACK_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if starts_processes(item):
+            item.add_marker(pytest.mark.stack)

@@ -165,16 +165,25 @@ def test_the_inflight_cap_still_holds_under_admission():
             pass
 
 
-def test_admission_is_off_unless_an_slo_is_set(monkeypatch):
+def test_admission_is_off_unless_an_slo_is_set():
+    import argparse
+
+    from gateway.config import GatewayConfig, add_arguments
+
     cap = InflightLimit(4)
-    monkeypatch.delenv("PDSERVE_ADMISSION_TTFT_SLO_MS", raising=False)
-    assert admission_for(cap, lambda: 1) is cap
-    monkeypatch.setenv("PDSERVE_ADMISSION_TTFT_SLO_MS", "250")
-    adm = admission_for(cap, lambda: 1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def slo_ms(env: dict[str, str], *flags: str) -> float:
+        return GatewayConfig.from_args(parser.parse_args(list(flags)), env).admission_ttft_slo_ms
+    assert admission_for(cap, lambda: 1, slo_ms({})) is cap
+    assert slo_ms({"PDSERVE_ADMISSION_TTFT_SLO_MS": "250"}) == slo_ms({}, "--admission-ttft-slo-ms", "250") == 250
+    adm = admission_for(cap, lambda: 1, slo_ms({"PDSERVE_ADMISSION_TTFT_SLO_MS": "250"}))
     assert isinstance(adm, SloAdmission) and adm.config.ttft_slo_s == 0.25 and adm.cap is cap
-    monkeypatch.setenv("PDSERVE_ADMISSION_TTFT_SLO_MS", "fast")
-    with pytest.raises(ValueError, match="milliseconds"):
-        admission_for(cap, lambda: 1)
+    with pytest.raises(ValueError, match="PDSERVE_ADMISSION_TTFT_SLO_MS must be a number"):
+        slo_ms({"PDSERVE_ADMISSION_TTFT_SLO_MS": "fast"})
+    with pytest.raises(ValueError, match="--admission-ttft-slo-ms.*>= 0"):
+        slo_ms({}, "--admission-ttft-slo-ms", "-1")
 
 
 # ---- the worker's bounded queue -----------------------------------------------------------------
@@ -184,7 +193,7 @@ def test_worker_engine_refuses_past_its_open_request_bound_at_once():
     import asyncio
 
     from pdserve.runtime.async_engine import AsyncEngine
-    from pdserve.runtime.engine import Engine, QueueFullError
+    from pdserve.runtime.engine import AddRequest, Engine, QueueFullError
     from pdserve.runtime.loader import load_checkpoint, resolve_model_path
     from pdserve.runtime.sampling_params import SamplingParams
     from pdserve.worker_common import WORKER_ERROR_CODES
@@ -193,19 +202,19 @@ def test_worker_engine_refuses_past_its_open_request_bound_at_once():
     aengine = AsyncEngine(engine, batch_window_s=0, max_streams=2).start()
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
-    def add(rid: str):
-        return lambda e: e.add_request(rid, [1, 400, 500], params)
+    def add(rid: str) -> AddRequest:
+        return AddRequest(rid, [1, 400, 500], params)
 
     async def scenario() -> int:
-        open_streams = [aengine.generate(f"r{i}", add(f"r{i}")) for i in range(2)]
+        open_streams = [aengine.generate(add(f"r{i}")) for i in range(2)]
         for stream in open_streams:
             await anext(stream)  # admitted and stepping; the stream stays open until closed
         with pytest.raises(QueueFullError, match="2 requests open"):
-            await anext(aengine.generate("r2", add("r2")))
+            await anext(aengine.generate(add("r2")))
         for stream in open_streams:
             await stream.aclose()
         last = 0
-        async for batch in aengine.generate("r3", add("r3")):  # room again
+        async for batch in aengine.generate(add("r3")):  # room again
             last = batch[-1].finished
         return last
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from pdserve.runtime.block_manager import BlockManager, KVLeakError
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import Sequence
 
 BS = 4
+FORMAT = KVFormat.named("0" * 32, "float32", num_layers=1, num_kv_heads=1, head_dim=4, block_size=BS)
 
 
 def seq(name: str, tokens: list[int]) -> Sequence:
@@ -24,12 +26,12 @@ def computed(bm: BlockManager, s: Sequence) -> Sequence:
 
 @pytest.fixture
 def bm() -> BlockManager:
-    return BlockManager(num_blocks=6, block_size=BS, fingerprint="0" * 32, kv_dtype="float32")
+    return BlockManager(num_blocks=6, kv_format=FORMAT)
 
 
 def test_allocation_takes_free_blocks_in_order(bm):
     a = seq("a", list(range(10)))  # 3 blocks: 4 + 4 + 2
-    assert bm.allocate(a)
+    assert bm.allocate(a) == []  # no KV from elsewhere to load
     assert a.block_table == [0, 1, 2]
     assert bm.num_free_blocks == 3
     bm.check_leaks([a])
@@ -40,7 +42,7 @@ def test_prefix_sharing_exact_ids(bm):
     bm.allocate(a)
     computed(bm, a)  # blocks 0 and 1 are full and hashed; block 2 holds the partial tail
     b = seq("b", list(range(8)) + [99, 98, 97])  # same first two blocks, different tail
-    assert bm.allocate(b)
+    assert bm.allocate(b) == []  # no KV from elsewhere to load
     assert b.block_table[:2] == [0, 1] and b.num_cached_tokens == 8
     assert b.block_table[2] == 3
     assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
@@ -60,7 +62,7 @@ def test_cached_blocks_are_evicted_least_recently_used_first(bm):
     bm.free(b)
     assert list(bm._cached) == [1, 0, 3, 2]
     c = seq("c", list(range(200, 212)))  # needs 3 blocks: free 4, 5, then evicts LRU block 1
-    assert bm.allocate(c)
+    assert bm.allocate(c) == []  # no KV from elsewhere to load
     assert c.block_table == [4, 5, 1]
     assert bm.lookup(a.block_hashes[1]) is None and bm.lookup(a.block_hashes[0]) == 0
     bm.free(c)
@@ -69,9 +71,9 @@ def test_cached_blocks_are_evicted_least_recently_used_first(bm):
 
 def test_allocation_fails_cleanly_when_out_of_blocks(bm):
     a = seq("a", list(range(24)))  # exactly 6 blocks
-    assert bm.allocate(a)
+    assert bm.allocate(a) == []  # no KV from elsewhere to load
     b = seq("b", [1, 2])
-    assert not bm.allocate(b) and b.block_table == []
+    assert bm.allocate(b) is None and b.block_table == []
     bm.check_leaks([a])
 
 

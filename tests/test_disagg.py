@@ -130,18 +130,28 @@ def test_flags_round_trip() -> None:
     assert p.parse_args([]).disagg_policy == disagg.DEFAULT_POLICY
 
 
-def test_gateway_setting_read_once(monkeypatch) -> None:
-    """Without flags a flow gets always-remote; after `use_args` each flow gets its own policy of
-    the flags' kind; a bad value is refused when the gateway starts."""
-    monkeypatch.setattr(disagg, "_settings", None)
-    assert isinstance(disagg.new_placement().inner, AlwaysRemote)
+def test_gateway_setting_read_once() -> None:
+    """Without flags a flow gets always-remote; with them each flow gets its own policy of the
+    flags' kind (from the one GatewayConfig built at start); a bad value is refused at start."""
+    from types import SimpleNamespace
+
+    from gateway.config import GatewayConfig, add_arguments
+    from gateway.limits import InflightLimit
+    from gateway.server import build_flow
+
+    pool = SimpleNamespace(routable_count=lambda: 1)
+
+    def placement(settings: GatewayConfig | None):
+        return build_flow(SimpleNamespace(), pool, pool, None, InflightLimit(1), settings).placement
+    assert isinstance(placement(None).inner, AlwaysRemote)
     p = argparse.ArgumentParser()
-    disagg.add_arguments(p)
-    disagg.use_args(p.parse_args(["--disagg-policy", "conditional", "--local-prefill-max-tokens", "7"]))
-    first, second = disagg.new_placement(), disagg.new_placement()
+    add_arguments(p)
+    settings = GatewayConfig.from_args(
+        p.parse_args(["--disagg-policy", "conditional", "--local-prefill-max-tokens", "7"]), {})
+    first, second = placement(settings), placement(settings)
     assert first.inner is not second.inner and first.inner.config.local_max_tokens == 7
     with pytest.raises(ValueError, match="--disagg-decode-batch"):
-        disagg.use_args(p.parse_args(["--disagg-decode-batch", "0"]))
+        GatewayConfig.from_args(p.parse_args(["--disagg-decode-batch", "0"]), {})
 
 
 # ---- on a real stack --------------------------------------------------------------------------

@@ -16,10 +16,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fuzz_support import FUZZ, assert_still_healthy, expected, stack_fixture  # noqa: F401 (fixture)
-from pdserve.kvwire import _HEADER, HEADER_SIZE, BlockSpec, KVBlockError, decode_block, encode_block
+from pdserve.kvwire import _HEADER, HEADER_SIZE, KVBlockError, decode_block, encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.v1 import kvstore_pb2
 
-SPEC = BlockSpec("ab" * 16, torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+SPEC = KVFormat("ab" * 16, torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 FIELDS = ("magic", "version", "dtype_code", "num_layers", "num_kv_heads", "head_dim", "block_size",
           "num_tokens", "fingerprint", "payload_len", "crc32", "mac")
 FIELD_VALUES = {"magic": st.binary(min_size=4, max_size=4), "fingerprint": st.binary(min_size=16, max_size=16),

@@ -22,8 +22,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway import request_limits
 from gateway import server as gateway_server
+from gateway.config import GatewayConfig
 from gateway.request_limits import RequestLimits
 from waiting import wait_until
 from pdserve.ports import free_port
@@ -257,11 +257,9 @@ def _closed_within(sock: socket.socket, deadline_s: float) -> tuple[bool, bytes]
 
 async def _slow_clients() -> None:
     dead = f"127.0.0.1:{free_port()}"  # no workers needed: the request never gets that far
-    request_limits.use(RequestLimits(http_header_timeout_s=1, http_body_timeout_s=1))
-    try:
-        server, _ = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0")
-    finally:
-        request_limits.use(None)
+    settings = GatewayConfig(limits=RequestLimits(http_header_timeout_s=1, http_body_timeout_s=1))
+    server, _ = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0",
+                                           settings=settings)
     port = gateway_server.http_server(server).port
     try:
         # The server's timeouts are 1 s; 30 s is the deadline for noticing, on any machine.

@@ -13,7 +13,6 @@ import grpc
 import pytest
 
 from gateway import server as gateway_server
-from gateway.convert import sampling_from_proto, sampling_to_proto
 from gateway.flow import ModelInfo, RequestFlow
 from gateway.limits import InflightLimit
 from gateway.output import OutputAssembler
@@ -26,6 +25,7 @@ from gateway.workers import WorkerPool
 from kvstore.client import KVStoreClient
 from kvstore.server import serve as serve_kvstore
 from pdserve.grpc_server import ServiceError, grpc_channel, start_server, stop_server
+from pdserve.proto_convert import sampling_from_proto, sampling_to_proto
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 

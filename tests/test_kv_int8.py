@@ -17,11 +17,12 @@ import torch
 
 from conftest import STORIES_GGUF
 from pdserve.commands.quant_eval import PROMPTS, kl_and_top1, sequence_logits
-from pdserve.kvwire import BlockSpec, KVBlockError, KVFormatMismatch, decode_block, encode_block, read_header
+from pdserve.kvwire import KVBlockError, KVFormatMismatch, decode_block, encode_block, read_header
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
-from pdserve.runtime.engine import Engine
+from pdserve.runtime.engine import AddRequest, Engine
 from pdserve.runtime.kernels import kv_quant
 from pdserve.runtime.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.kv_transfer import KVFormatError
 from pdserve.runtime.sampling_params import SamplingParams
 
@@ -132,14 +133,14 @@ def test_wire_header_names_the_format(checkpoint, prompts, kv_dtype: str, code: 
     blocks = engine.export_held("r")
     engine.release_held("r")
     c = checkpoint.config
-    spec = BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim, 16)
+    spec = KVFormat(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim, 16)
     data = encode_block(blocks[0].data, spec, blocks[0].num_tokens)
     header = read_header(data)
     assert header.dtype_code == code and header.block_size == 16
     assert header.payload_len == blocks[0].data.numel() == c.num_layers * 2 * 17 * c.num_kv_heads * c.head_dim
     decoded, n = decode_block(data, spec)
     assert n == blocks[0].num_tokens and torch.equal(decoded.view(torch.uint8), blocks[0].data.view(torch.uint8))
-    fp32_spec = BlockSpec(spec.fingerprint, torch.float32, *spec.shape[:1], c.num_kv_heads, c.head_dim, 16)
+    fp32_spec = KVFormat(spec.fingerprint, torch.float32, *spec.shape[:1], c.num_kv_heads, c.head_dim, 16)
     with pytest.raises(KVFormatMismatch, match=f"KV format {kv_dtype} != float32"):
         decode_block(data, fp32_spec)
     assert issubclass(KVFormatMismatch, KVBlockError)  # callers that catch KVBlockError keep working
@@ -164,8 +165,7 @@ def test_int8_blocks_transfer_exactly(checkpoint, prompts) -> None:
     expected = _engine(checkpoint, "int8", 32).generate([prompt], SHORT)[0].output_ids
     first, hashes, blocks = _prefill(_engine(checkpoint, "int8", 32), prompt)
     decoder = _engine(checkpoint, "int8", 32)
-    assert decoder.add_prefilled("d", prompt, first, SHORT, hashes, blocks)
-    seq = decoder.seqs["d"]
+    seq = decoder.add(AddRequest("d", prompt, SHORT, blocks=blocks, first_token=first, prompt_hashes=hashes))
     while decoder.has_unfinished():
         decoder.step()
     assert seq.output_ids == expected
@@ -176,7 +176,7 @@ def test_decode_refuses_blocks_of_another_format(checkpoint, prompts) -> None:
     first, hashes, blocks = _prefill(_engine(checkpoint, "int8", 16), prompts[0])
     decoder = _engine(checkpoint, "float32", 16)
     with pytest.raises(KVFormatError, match="--kv-dtype int8 but this worker runs --kv-dtype float32"):
-        decoder.add_prefilled("d", prompts[0], first, GREEDY, hashes, blocks)
+        decoder.add(AddRequest("d", prompts[0], GREEDY, blocks=blocks, first_token=first, prompt_hashes=hashes))
     assert decoder.block_manager.num_free_blocks == 16 and not decoder.has_unfinished()
 
 

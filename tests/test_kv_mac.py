@@ -24,7 +24,8 @@ from kvstore.redis_tier import block_key
 from waiting import wait_until
 from pdserve import internal_auth, kv_mac
 from pdserve.ports import free_port, port_in_use
-from pdserve.kvwire import BlockSpec, encode_block
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint, resolve_model_path
@@ -65,7 +66,7 @@ def model():
     checkpoint = load_checkpoint(resolve_model_path(None))
     engine = Engine.from_checkpoint(checkpoint)
     c = checkpoint.config
-    spec = BlockSpec(checkpoint.fingerprint, torch.float32, c.num_layers, c.num_kv_heads, c.head_dim, BLOCK)
+    spec = KVFormat(checkpoint.fingerprint, torch.float32, c.num_layers, c.num_kv_heads, c.head_dim, BLOCK)
 
     def reference(ids: list[int], max_tokens: int) -> list[int]:
         return engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0].output_ids
@@ -104,7 +105,7 @@ def _rejected_mac(stack) -> float:
     return total
 
 
-def _forgeries(stack, checkpoint, spec: BlockSpec, count: int) -> list[bytes]:
+def _forgeries(stack, checkpoint, spec: KVFormat, count: int) -> list[bytes]:
     """`count` blocks an attacker without the MAC key can make: a genuine block of another prompt
     (read back from the store with the token), random KV with a valid crc32, KV under its own key."""
     _generate(stack, DONOR, 4)  # the donor's genuine, signed blocks are now in the store

@@ -7,8 +7,10 @@ import random
 import pytest
 
 from conftest import model_config_from_hf, random_hf_model
-from pdserve.kvwire import BlockSpec, decode_block, encode_block
-from pdserve.runtime.kv_transfer import PinnedBlocks, prompt_hashes
+from pdserve.kvwire import decode_block, encode_block
+from pdserve.runtime.kv_format import KVFormat
+from pdserve.runtime.engine import AddRequest
+from pdserve.runtime.pins import request_owner
 from pdserve.runtime.sampling_params import SamplingParams
 
 
@@ -22,10 +24,8 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 160) for _ in range(n)] for n in (5, 16, 29, 48)]
 
 
-def _spec(engine) -> BlockSpec:
-    c = engine.model_config
-    return BlockSpec(engine.fingerprint, engine.kv_cache.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
-                     engine.block_manager.block_size)
+def _spec(engine) -> KVFormat:
+    return engine.kv_format
 
 
 def _prefill(engine, prompts, params) -> list[tuple[int, dict[bytes, bytes], list[bytes]]]:
@@ -49,7 +49,7 @@ def _decode(engine, prompts, prefilled, params, drop: set[int] = frozenset()) ->
     seqs = []
     for i, (p, (first, wire, hashes)) in enumerate(zip(prompts, prefilled)):
         blocks = {h: decode_block(d, _spec(engine))[0] for j, (h, d) in enumerate(wire.items()) if j not in drop}
-        engine.add_prefilled(f"d{i}", p, first, params, hashes, blocks)
+        engine.add(AddRequest(f"d{i}", p, params, blocks=blocks, first_token=first, prompt_hashes=hashes))
         seqs.append(engine.seqs[f"d{i}"])
     while engine.has_unfinished():
         engine.step()
@@ -93,24 +93,61 @@ def test_decode_worker_shares_blocks_it_already_holds(make_engine, hf):
 
 
 @pytest.mark.parametrize("order", ["add_then_cleanup", "cleanup_then_never_added"])
-def test_pinned_blocks_are_released_exactly_once(make_engine, hf, order):
-    """A Prefill's pins on cached prefix blocks: the add takes them over, and the cleanup that runs
-    after it (or instead of it, on a cancel) drops them only if the add did not."""
+def test_request_pins_are_released_exactly_once(make_engine, hf, order):
+    """A Prefill's pins on cached prefix blocks: its sequence takes them over (dropped when the
+    scheduler admits it), and the cleanup that runs after the add (or instead of it, on a
+    cancel) drops them only if the sequence never took them."""
     engine = make_engine(model_config_from_hf(hf.config, "llama"), hf.state_dict())
     params = SamplingParams(max_tokens=1, temperature=0)
     prompt = list(range(3, 40))  # two full blocks and a tail
     engine.generate([prompt], params)  # its two full blocks are cached now
-    hashes = prompt_hashes(engine, prompt)[:2]
-    pins = PinnedBlocks(hashes)
-    pins.pin(engine)
-    assert len(pins.block_ids) == 2 and engine.block_manager.num_cached_blocks == 0  # referenced
+    owner = request_owner("r")
+    assert engine.pin(owner, engine.kv_format.reusable_hashes(prompt)) == 2
+    bm = engine.block_manager
+    assert bm.num_cached_blocks == 0  # referenced by the pins
+    engine.check_leaks()  # the pins are owned references
     if order == "add_then_cleanup":
-        engine.add_with_prefix("r", prompt, params, {}, hold_blocks=True)
-        pins.release(engine)  # what the add closure does once the sequence holds its own
+        engine.add(AddRequest("r", prompt, params, hold_blocks=True))
+        assert engine.unpin(owner) == 0  # queued: the sequence owns them now
+        assert len(engine.pins) == 2
+        engine.step()  # admitted: its block table references them, the pins are gone
+        assert len(engine.pins) == 0
         while engine.has_unfinished():
             engine.step()
         engine.release_held("r")
-    pins.release(engine)  # the cleanup: a no-op after the add, the release after a cancel
-    pins.release(engine)
-    bm = engine.block_manager
+    engine.unpin(owner)  # the cleanup: a no-op after the admission, the release after a cancel
+    engine.unpin(owner)
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_blocks >= 2
+    engine.check_leaks()
+
+
+def test_queued_request_aborted_drops_its_pins(make_engine, hf):
+    engine = make_engine(model_config_from_hf(hf.config, "llama"), hf.state_dict())
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prompt = list(range(3, 40))
+    engine.generate([prompt], params)
+    engine.pin(request_owner("r"), engine.kv_format.reusable_hashes(prompt))
+    engine.add(AddRequest("r", prompt, params, hold_blocks=True))
+    engine.abort("r")
+    assert len(engine.pins) == 0 and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.check_leaks()
+
+
+def test_decode_uses_the_prefix_it_can_get_when_a_later_block_is_missing(make_engine, hf):
+    """A prefilled request whose third block is missing shares/loads the first two and computes
+    the rest; the output still equals the in-process run."""
+    config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 60))  # three full blocks and a tail
+    expected = make_engine(config, weights).generate([prompt], params)[0].output_ids
+    [(first, wire, hashes)] = _prefill(make_engine(config, weights), [prompt], params)
+    decoder = make_engine(config, weights)
+    blocks = {h: decode_block(d, _spec(decoder))[0] for h, d in wire.items() if h != hashes[2]}
+    seq = decoder.add(AddRequest("d", prompt, params, blocks=blocks, first_token=first, prompt_hashes=hashes))
+    assert decoder.block_manager.num_free_blocks == decoder.block_manager.num_blocks  # waiting: holds nothing
+    decoder.step()
+    assert seq.num_cached_tokens == 32 and seq.external is None  # two blocks loaded at admission
+    while decoder.has_unfinished():
+        decoder.step()
+    assert seq.output_ids == expected
+    decoder.check_leaks()

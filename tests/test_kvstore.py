@@ -25,7 +25,8 @@ from kvstore.server import serve
 from kvstore.service import SERVICE_NAME, add_to_server
 from kvstore.store import MemoryBlockStore, PutOutcome, StoreFullError
 from pdserve.grpc_server import grpc_channel, start_server, stop_server
-from pdserve.kvwire import BlockSpec, decode_block, encode_block
+from pdserve.kvwire import decode_block, encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,7 +194,7 @@ def test_counters_and_bad_input() -> None:
 
 # ---- service tests over a real server -----------------------------------------------------
 
-SPEC = BlockSpec(fingerprint="ab" * 16, dtype=torch.float16, num_layers=4, num_kv_heads=2, head_dim=40,
+SPEC = KVFormat(fingerprint="ab" * 16, dtype=torch.float16, num_layers=4, num_kv_heads=2, head_dim=40,
                  block_size=16)  # payload 4*2*16*2*40*2 bytes = 20 KiB
 
 

@@ -15,10 +15,12 @@ from kvstore.client import KVStoreClient
 from kvstore.metrics import KVSTORE_BACKEND_ERRORS, KVSTORE_EVICTIONS
 from kvstore.redis_tier import block_key
 from kvstore.residency import ResidencyIndex
-from kvstore.server import StoreOptions, parse_backend, serve_store
+from kvstore.config import KVStoreConfig
+from kvstore.server import parse_backend, serve_store
 from kvstore.store import MemoryBlockStore, StoreFullError
 from pdserve.grpc_server import stop_server
-from pdserve.kvwire import BlockSpec, encode_block
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from redis_fixture import RedisServer, redis_server  # noqa: F401 - pytest fixture
 
 import torch
@@ -119,7 +121,7 @@ def test_residency_index_prefixes_resets_and_expiry() -> None:
 
 # ---- the Redis tier, through the gRPC service --------------------------------------------------
 
-SPEC = BlockSpec("0" * 32, torch.float32, 2, 1, 4, 4)
+SPEC = KVFormat("0" * 32, torch.float32, 2, 1, 4, 4)
 
 
 def _block(i: int) -> bytes:
@@ -131,8 +133,10 @@ BLOCK_BYTES = len(_block(0))
 
 async def _start(url: str, capacity_blocks: int = 1000, block_bytes: int = BLOCK_BYTES):
     """A kvstore on a free port with a Redis tier at `url`, quick to notice an outage and retry."""
-    options = StoreOptions(capacity_blocks * block_bytes, backend=url, backend_timeout_s=0.3)
-    server, port, store = await serve_store("127.0.0.1:0", options)
+    # Exact-fit watermarks: the tests count blocks and evictions one put at a time.
+    config = KVStoreConfig(bind="127.0.0.1:0", capacity_bytes=capacity_blocks * block_bytes, high_watermark=1.0,
+                           low_watermark=1.0, backend=url, backend_timeout_s=0.3)
+    server, port, store = await serve_store(config)
     store.redis.retry_interval_s = 0.2
     return server, store, KVStoreClient(f"127.0.0.1:{port}", timeout_s=5)
 

@@ -10,14 +10,14 @@ import zlib
 import pytest
 import torch
 
-from pdserve.kvwire import (HEADER_SIZE, MAGIC, BlockSpec, KVBlockError, KVMacError, decode_block,
-                            encode_block, read_header)
+from pdserve.kvwire import (HEADER_SIZE, MAGIC, KVBlockError, KVMacError, decode_block, encode_block, read_header)
+from pdserve.runtime.kv_format import KVFormat
 
 FP = "0123456789abcdef0123456789abcdef"
-SPEC = BlockSpec(fingerprint=FP, dtype=torch.float32, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
+SPEC = KVFormat(fingerprint=FP, dtype=torch.float32, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4)
 
 
-def _block(spec: BlockSpec) -> torch.Tensor:
+def _block(spec: KVFormat) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     if spec.dtype == torch.int8:
         return torch.randint(-128, 128, spec.shape, dtype=torch.int8, generator=gen)
@@ -184,3 +184,17 @@ def test_unsigned_or_foreign_blocks_are_refused_by_a_keyed_reader(data) -> None:
 def test_signing_needs_the_hash() -> None:
     with pytest.raises(KVBlockError, match="block_hash"):
         encode_block(_block(SPEC), SPEC, 2, mac_key=KEY)
+
+
+def test_every_kv_format_has_one_name_one_storage_dtype_and_one_wire_code():
+    """The --kv-dtype names (torch-free, for flag parsing), the cache's storage dtypes and the wire
+    codes are three tables; they must cover the same formats."""
+    from pdserve.kvwire import _DTYPE_CODES
+    from pdserve.runtime.config import KV_DTYPE_NAMES
+    from pdserve.runtime.kv_cache import KV_DTYPES
+
+    assert tuple(KV_DTYPES) == KV_DTYPE_NAMES
+    assert set(_DTYPE_CODES) == set(KV_DTYPES.values())
+    for name in KV_DTYPE_NAMES:
+        fmt = KVFormat.named(FP, name, 1, 1, 4, 4)
+        assert fmt.kv_dtype == name and fmt.with_kv_dtype("float32").kv_dtype == "float32"

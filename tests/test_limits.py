@@ -17,6 +17,7 @@ import pytest
 
 from gateway import request_limits
 from gateway import server as gateway_server
+from gateway.config import GatewayConfig
 from gateway.flow import GenerationRequest
 from gateway.request_limits import RequestLimits
 from pdserve.ports import free_port
@@ -93,11 +94,8 @@ async def _grpc_status(stub, method: str, request) -> tuple[grpc.StatusCode, str
 
 async def _check_both_edges() -> None:
     dead = f"127.0.0.1:{free_port()}"
-    request_limits.use(LIMITS)
-    try:
-        server, port = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0")
-    finally:
-        request_limits.use(None)
+    server, port = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0",
+                                              settings=GatewayConfig(limits=LIMITS))
     base = f"http://127.0.0.1:{gateway_server.http_server(server).port}"
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

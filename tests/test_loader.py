@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -11,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import model_config_from_hf
 from hf_reference import load_hf_gguf_model, load_hf_gguf_tokenizer
 from pdserve.runtime import loader
+from pdserve.runtime.arch import LLAMA, spec_for_gguf
 from pdserve.runtime.config import ModelConfig
 from pdserve.runtime.loader import Checkpoint, ModelLoadError, load_checkpoint, resolve_model_path
 from pdserve.runtime.tokenizer import GGUFTokenizer, HFTokenizer
@@ -93,27 +96,27 @@ def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
-
-
 def write_gguf(path: Path, model, float_type=np.float16, arch: str = "llama",
                quant: gguf.GGMLQuantizationType | None = None) -> None:
     """A GGUF of a transformers Llama/Qwen2 as llama.cpp's converter would write it (tied head: no
-    output): Q/K rows interleaved for llama only; `quant` is the type of every 2-D weight."""
+    output): Q/K rows interleaved for llama only; `quant` is the type of every 2-D weight.
+
+    Tensor names and which rows are interleaved come from the spec the loader reads too; that they
+    are llama.cpp's is checked independently, by transformers' GGUF reader (load_hf_gguf_model)
+    here and on the stories260K file."""
     cfg, sd = model.config, model.state_dict()
+    # An architecture we refuse (gpt2) gets llama's names, rows as they are.
+    spec = spec_for_gguf(arch) or replace(LLAMA, gguf_permuted_qk=False)
+    config = model_config_from_hf(cfg, spec.name)
     w = gguf.GGUFWriter(path, arch)
     _write_hparams(w, cfg, arch)
     for name, t in sd.items():
-        if name == "lm_head.weight":
+        if name == spec.global_name("lm_head"):
             continue
-        if arch == "llama" and "q_proj" in name:
-            t = llama_cpp_permute(t, cfg.num_attention_heads)
-        elif arch == "llama" and "k_proj" in name:
-            t = llama_cpp_permute(t, cfg.num_key_value_heads)
-        _add_tensor(w, gguf_name(name), t, float_type, quant)
+        heads = spec.gguf_permuted_heads(name, config)
+        if heads is not None:
+            t = llama_cpp_permute(t, heads)
+        _add_tensor(w, spec.to_gguf(name), t, float_type, quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -136,14 +139,6 @@ def _write_hparams(w: gguf.GGUFWriter, cfg, arch: str) -> None:
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     w.add_uint32("tokenizer.ggml.padding_token_id", 0xFFFFFFFF)
-
-
-def gguf_name(hf: str) -> str:
-    name = hf.replace("model.embed_tokens", "token_embd").replace("model.norm", "output_norm")
-    name = name.replace("model.layers.", "blk.")
-    for hf_part, gguf_part in GGUF_NAMES.items():
-        name = name.replace(hf_part, gguf_part)
-    return name
 
 
 def _add_tensor(w: gguf.GGUFWriter, name: str, t: torch.Tensor, float_type, quant) -> None:

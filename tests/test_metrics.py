@@ -14,6 +14,7 @@ from prometheus_client import REGISTRY
 
 from conftest import STORIES_GGUF
 from pdserve.runtime.async_engine import AsyncEngine
+from pdserve.runtime.engine import AddRequest
 from pdserve.runtime.sampling_params import SamplingParams
 
 
@@ -46,7 +47,7 @@ def test_engine_metrics_follow_the_steps(make_engine, tiny_model) -> None:
     async def one(i: int) -> int:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         n = 0
-        async for outs in aengine.generate(f"m{i}", lambda e: e.add_request(f"m{i}", [3, 4, 5, i + 6], params)):
+        async for outs in aengine.generate(AddRequest(f"m{i}", [3, 4, 5, i + 6], params)):
             n += sum(len(o.new_token_ids) for o in outs)
             seen_running.append(value("pdserve_engine_running_seqs"))
         return n
@@ -164,11 +165,12 @@ def test_metrics_over_http_when_the_port_is_set(monkeypatch: pytest.MonkeyPatch)
     from pdserve.ports import free_port
 
     port = free_port()
-    monkeypatch.setenv(grpc_server.METRICS_PORT_ENV, str(port))
+    process = grpc_server.ProcessConfig.from_env({grpc_server.METRICS_PORT_ENV: str(port)})  # as a main builds it
     monkeypatch.setattr(grpc_server, "_metrics_port", None)
 
     async def main() -> None:
-        server, _ = await grpc_server.start_server("127.0.0.1:0", lambda s: None, ["pdserve.v1.Test"])
+        server, _ = await grpc_server.start_server("127.0.0.1:0", lambda s: None, ["pdserve.v1.Test"],
+                                                   process=process)
         try:
             assert grpc_server.start_metrics_http() == port  # once per process
         finally:
@@ -188,6 +190,5 @@ def test_busy_metrics_port_does_not_stop_the_service(monkeypatch: pytest.MonkeyP
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
-        monkeypatch.setenv(grpc_server.METRICS_PORT_ENV, str(taken.getsockname()[1]))
         monkeypatch.setattr(grpc_server, "_metrics_port", None)
-        assert grpc_server.start_metrics_http() is None
+        assert grpc_server.start_metrics_http(taken.getsockname()[1]) is None

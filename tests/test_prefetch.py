@@ -15,8 +15,10 @@ from conftest import model_config_from_hf, random_hf_model
 from pdserve.block_prefetch import BlockPrefetcher
 from gateway.sessions import HotPrefixes, SessionTracker
 from pdserve.kvwire import encode_block
-from pdserve.runtime.block_hash import prompt_block_hashes
-from pdserve.worker_common import KVOutage, TransferCounters, block_spec
+from pdserve.runtime.async_engine import AsyncEngine
+from pdserve.runtime.engine import AddRequest
+from pdserve.runtime.sampling_params import SamplingParams
+from pdserve.worker_common import KVOutage, TransferCounters
 from pdserve.worker_metrics import PREFETCH_BLOCKS
 
 
@@ -156,14 +158,18 @@ def test_hot_prefix_after_enough_requests_goes_to_workers_lacking_it() -> None:
 # ---- the decode worker's prefetcher ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine():
+def _engine(num_blocks: int = 64):
     from pdserve.runtime.config import CacheConfig, EngineConfig
     from pdserve.runtime.engine import Engine
 
     hf = random_hf_model("llama", seed=3)
     return Engine(model_config_from_hf(hf.config, "llama"), hf.state_dict(), "e" * 32,
-                  EngineConfig(cache=CacheConfig(num_blocks=64)))
+                  EngineConfig(cache=CacheConfig(num_blocks=num_blocks)))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return _engine()
 
 
 class FakeKV:
@@ -175,18 +181,35 @@ class FakeKV:
         return [self.blocks.get(h) for h in hashes]
 
 
-def _worker(engine, kv) -> SimpleNamespace:
-    async def call(fn):
-        return fn(engine)
-    return SimpleNamespace(engine=engine, kv=kv, spec=block_spec(engine), counters=TransferCounters(),
-                           aengine=SimpleNamespace(call=call), kv_outage=KVOutage(), mac_key=b"")
+@pytest.fixture
+def make_worker():
+    """A worker's parts around a real AsyncEngine (its thread stopped after the test); the
+    kvstore is a dict (FakeKV): what is tested is the prefetcher's bookkeeping."""
+    started: list[AsyncEngine] = []
+
+    def factory(engine, kv) -> SimpleNamespace:
+        aengine = AsyncEngine(engine, batch_window_s=0).start()
+        started.append(aengine)
+        return SimpleNamespace(kv=kv, kv_format=engine.kv_format, counters=TransferCounters(), aengine=aengine,
+                               kv_outage=KVOutage(), mac_key=b"")
+    yield factory
+    for aengine in started:
+        aengine.stop()
 
 
 def _chain_blocks(engine, tokens: list[int]) -> tuple[list[bytes], dict[bytes, bytes]]:
-    spec = block_spec(engine)
-    chain = prompt_block_hashes(tokens, 16, engine.fingerprint, "float32")
-    data = {h: encode_block(torch.full(spec.shape, float(i)), spec, 16) for i, h in enumerate(chain)}
+    fmt = engine.kv_format
+    chain = fmt.full_block_hashes(tokens)
+    data = {h: encode_block(torch.full(fmt.shape, float(i)), fmt, 16) for i, h in enumerate(chain)}
     return chain, data
+
+
+async def _until(condition, timeout_s: float = 30.0) -> None:
+    """Until `condition()` holds (the engine thread acts between its loop turns), or fail."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert condition(), "condition not reached before the deadline"
 
 
 async def _settled(p: BlockPrefetcher, timeout_s: float = 30.0) -> None:
@@ -197,10 +220,10 @@ async def _settled(p: BlockPrefetcher, timeout_s: float = 30.0) -> None:
     assert not p._inflight, "prefetches still in flight"
 
 
-def test_prefetcher_counts_hits_late_and_waste(engine) -> None:
+def test_prefetcher_counts_hits_late_and_waste(engine, make_worker) -> None:
     async def scenario() -> None:
         chain, data = _chain_blocks(engine, list(range(3, 3 + 64)))
-        p = BlockPrefetcher(_worker(engine, FakeKV(data)), max_staged_blocks=2)
+        p = BlockPrefetcher(make_worker(engine, FakeKV(data)), max_staged_blocks=2)
         before = {o: _count("dispatch", o) for o in ("hit", "late", "wasted")}
         p.prefetch(chain[:3])
         await _settled(p)
@@ -218,10 +241,10 @@ def test_prefetcher_counts_hits_late_and_waste(engine) -> None:
     asyncio.run(scenario())
 
 
-def test_session_prefetch_lands_in_the_paged_cache(engine) -> None:
+def test_session_prefetch_lands_in_the_paged_cache(engine, make_worker) -> None:
     async def scenario() -> None:
         chain, data = _chain_blocks(engine, list(range(100, 100 + 48)))
-        p = BlockPrefetcher(_worker(engine, FakeKV(data)))
+        p = BlockPrefetcher(make_worker(engine, FakeKV(data)))
         hits, wasted = _count("session", "hit"), _count("session", "wasted")
         p.prefetch(chain, "session")
         await _settled(p)
@@ -236,11 +259,11 @@ def test_session_prefetch_lands_in_the_paged_cache(engine) -> None:
     asyncio.run(scenario())
 
 
-def test_gather_counts_where_each_needed_block_was(engine) -> None:
+def test_gather_counts_where_each_needed_block_was(engine, make_worker) -> None:
     """The decode hit rate's inputs: resident, brought by a signal, late, fetched, missing."""
     async def scenario() -> None:
         chain, data = _chain_blocks(engine, list(range(200, 200 + 96)))  # 6 blocks
-        p = BlockPrefetcher(_worker(engine, FakeKV({h: d for h, d in data.items() if h != chain[5]})))
+        p = BlockPrefetcher(make_worker(engine, FakeKV({h: d for h, d in data.items() if h != chain[5]})))
         p.prefetch(chain[:2], "session")
         await _settled(p)
         p._promoted.pop(chain[0])  # as if it had been in the paged cache all along
@@ -255,11 +278,10 @@ def test_gather_counts_where_each_needed_block_was(engine) -> None:
     asyncio.run(scenario())
 
 
-def test_session_prefetch_off_keeps_session_routing(monkeypatch) -> None:
+def test_session_prefetch_off_keeps_session_routing() -> None:
     from gateway.flow import RequestFlow
 
-    monkeypatch.setenv("PDSERVE_SESSION_PREFETCH", "0")
-    flow = RequestFlow(SimpleNamespace(), None, None, None, None, hot=HotPrefixes())
+    flow = RequestFlow(SimpleNamespace(), None, None, None, None, hot=HotPrefixes(), session_prefetch=False)
     assert flow.sessions is not None and not flow.session_prefetch
     flow.sessions.arrival("s")
     flow.sessions.finished("s", "decode-1:5", [b"h"])
@@ -267,33 +289,42 @@ def test_session_prefetch_off_keeps_session_routing(monkeypatch) -> None:
     assert flow._session_task is None  # but nothing is prefetched
 
 
-def test_held_session_blocks_survive_until_claimed_expired_or_needed(engine) -> None:
-    """With hold_s (the prefill worker), a session prefetch pins its whole chain: not evictable
-    until a request claims it, its hold expires, or a running prompt needs the room."""
+def test_held_session_blocks_survive_until_claimed_expired_or_needed(make_worker) -> None:
+    """With hold_s (the prefill worker), a session prefetch has the engine hold its whole chain:
+    not evictable until a request is admitted on it, its hold expires, or a prompt that runs now
+    needs the room (the scheduler gives up the soonest-expiring holds)."""
+    engine = _engine(num_blocks=16)
+    clock = Clock()
+    engine.pins.clock = clock
+    bm = engine.block_manager
+    params = SamplingParams(max_tokens=1, temperature=0)
+
     async def scenario() -> None:
-        clock = Clock()
-        bm = engine.block_manager
-        chain, data = _chain_blocks(engine, list(range(300, 300 + 64)))  # 4 blocks
-        other, other_data = _chain_blocks(engine, list(range(400, 400 + 32)))  # 2 blocks
-        p = BlockPrefetcher(_worker(engine, FakeKV({**data, **other_data})), clock=clock, hold_s=5.0,
-                            signals=("session",))
-        free = bm.num_free_blocks
+        chain_tokens = [3 + i % 150 for i in range(64)]
+        chain, data = _chain_blocks(engine, chain_tokens)  # 4 blocks
+        other, other_data = _chain_blocks(engine, [100 + i % 50 for i in range(32)])  # 2 blocks
+        worker = make_worker(engine, FakeKV({**data, **other_data}))
+        p = BlockPrefetcher(worker, clock=clock, hold_s=5.0, signals=("session",))
         p.prefetch(chain, "session")
         await _settled(p)
-        assert all(p.is_local(h) for h in chain) and bm.num_free_blocks == free - 4  # pinned, not evictable
-        await p.gather("r", chain[:2])  # a request used two: their holds end
-        assert bm.num_free_blocks == free - 2
-        clock.now += 6
-        await p.expire_holds()  # the turn never came for the rest: evictable again (still cached)
-        assert bm.num_free_blocks == free and all(p.is_local(h) for h in chain)
+        await _until(lambda: bm.num_free_blocks == 12)  # pinned, not evictable
+        assert all(p.is_local(h) for h in chain)
+        async for _ in worker.aengine.generate(AddRequest("r", chain_tokens[:33], params)):
+            pass  # a request admitted on the first two blocks: their holds end
+        await _until(lambda: bm.num_free_blocks == 14)
+        clock.now += 6  # the turn never came for the rest: evictable again (still cached)
+        await _until(lambda: bm.num_free_blocks == 16)
+        assert all(p.is_local(h) for h in chain)
 
         p.prefetch(other, "session")
         await _settled(p)
-        assert bm.num_free_blocks == free - 2
-        await p.make_room(free - 1, keep={other[0]})  # a prompt needs all but one block
-        assert bm.num_free_blocks == free - 1  # other[1]'s hold was given up, other[0] kept
+        await _until(lambda: bm.num_free_blocks == 14)
+        prompt = [150 + i % 9 for i in range(15 * 16 - 1)]  # + its token: 15 blocks, one more than free
+        async for _ in worker.aengine.generate(AddRequest("big", prompt, params)):
+            pass
+        assert bm.num_free_blocks == 15  # one hold was given up for it, the other kept
         clock.now += 6
-        await p.expire_holds()
-        assert bm.num_free_blocks == free
+        await _until(lambda: bm.num_free_blocks == 16)
+        await worker.aengine.check_leaks()
 
     asyncio.run(scenario())

@@ -37,13 +37,13 @@ from pdserve.commands.up import free_port
 from pdserve.healthcheck import check
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.config import CacheConfig, EngineConfig
-from pdserve.runtime.engine import Engine
+from pdserve.runtime.engine import AddRequest, Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.soak.invariants import kv_problems, wait_quiet
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.worker_common import ENGINE_FAULT_ENV, TransferCounters, Worker, block_spec, put_blocks
+from pdserve.worker_common import ENGINE_FAULT_ENV, TransferCounters, Worker, put_blocks
 from prefill.service import PrefillServicer
 from prefill.single_flight import SingleFlight
 
@@ -100,7 +100,7 @@ def _engine(checkpoint) -> Engine:
 
 def _worker(engine: Engine, kv_address: str, name: str) -> Worker:
     aengine = AsyncEngine(engine, batch_window_s=0).start()
-    return Worker(name, aengine, KVStoreClient(kv_address, timeout_s=30), block_spec(engine), TransferCounters())
+    return Worker(name, aengine, KVStoreClient(kv_address, timeout_s=30), engine.kv_format, TransferCounters())
 
 
 async def _wait_for(condition: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = QUIET_S) -> None:
@@ -117,9 +117,10 @@ async def _assert_quiet(worker: Worker, kv: KVStoreClient) -> None:
         return stats.num_leases == 0 and stats.num_pinned == 0
     await _wait_for(no_lease, "the kvstore holds no lease")
     assert worker.aengine.failure is None
-    await worker.aengine.call(lambda e: e.check_leaks())  # KVLeakError (as EngineDeadError) if off
-    bm = worker.engine.block_manager
-    assert (worker.engine.seqs, worker.engine.held, worker.aengine.num_streams) == ({}, {}, 0)
+    await worker.aengine.check_leaks()  # KVLeakError (as EngineDeadError) if off: pins are counted too
+    engine = worker.aengine.engine
+    assert (engine.seqs, engine.held, len(engine.pins), worker.aengine.num_streams) == ({}, {}, 0, 0)
+    bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "a block is still referenced (pinned)"
 
 
@@ -409,10 +410,10 @@ def test_corrupt_block_accounting_fails_the_engine(checkpoint):
         aengine.on_failure(heard.append)
         try:
             with pytest.raises(EngineDeadError, match="KVLeakError: block 0 released more often"):
-                await aengine.call(lambda e: e.block_manager.release([0]))
+                await aengine._call(lambda e: e.block_manager.release([0]))  # a bug, on purpose
             assert heard == [aengine.failure] and "KVLeakError" in heard[0]
             with pytest.raises(EngineDeadError, match="NOT_SERVING"):
-                await anext(aengine.generate("r", lambda e: e.add_request("r", [1, 2, 3], SamplingParams())))
+                await anext(aengine.generate(AddRequest("r", [1, 2, 3], SamplingParams())))
             assert aengine.num_streams == 0
         finally:
             aengine.stop()

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from conftest import model_config_from_hf, random_hf_model
-from pdserve.runtime.block_hash import prompt_block_hashes
-from pdserve.runtime.kv_transfer import export_cached_blocks, import_cached_blocks, resident_hashes
+from pdserve.runtime.engine import AddRequest
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import kvstore_pb2
 
@@ -22,15 +22,11 @@ def hf():
 
 
 def _run(engine, rid: str, prompt: list[int], params: SamplingParams, blocks=None) -> tuple[list[int], int]:
-    if blocks is None:
-        engine.add_request(rid, prompt, params)
-        cached = None
-    else:
-        cached = engine.add_with_prefix(rid, prompt, params, blocks)
-    seq = engine.seqs[rid]
+    """(output ids, prompt tokens whose KV was reused: shared from the cache or loaded from `blocks`)."""
+    seq = engine.add(AddRequest(rid, prompt, params, blocks=blocks or {}))
     while engine.has_unfinished():
         engine.step()
-    return seq.output_ids, cached
+    return seq.output_ids, seq.num_cached_tokens
 
 
 def test_add_with_prefix_imports_leading_blocks_and_matches_cold(make_engine, hf):
@@ -43,8 +39,8 @@ def test_add_with_prefix_imports_leading_blocks_and_matches_cold(make_engine, hf
 
     writer = make_engine(config, weights)
     _run(writer, "a", a, params)
-    hashes = sorted(resident_hashes(writer))
-    exported = {blk.hash: blk.data for blk in export_cached_blocks(writer, hashes)}
+    hashes = sorted(writer.resident())
+    exported = {blk.hash: blk.data for blk in writer.export_cached(hashes)}
     assert len(exported) >= 3
 
     reader = make_engine(config, weights)
@@ -61,7 +57,7 @@ def test_prefix_never_covers_the_last_prompt_token(make_engine, hf):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     writer = make_engine(config, weights)
     cold, _ = _run(writer, "a", prompt, params)
-    blocks = {blk.hash: blk.data for blk in export_cached_blocks(writer, sorted(resident_hashes(writer)))}
+    blocks = {blk.hash: blk.data for blk in writer.export_cached(sorted(writer.resident()))}
     out, cached = _run(make_engine(config, weights), "b", prompt, params, blocks)
     assert cached == 16 and out == cold
 
@@ -72,21 +68,21 @@ def test_import_cached_blocks_are_shared_by_the_next_request(make_engine, hf):
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     writer = make_engine(config, weights)
     cold, _ = _run(writer, "a", prompt, params)
-    from pdserve.runtime.block_hash import prompt_block_hashes
-    chain = prompt_block_hashes(prompt, 16, writer.fingerprint, "float32")
-    blocks = {blk.hash: blk.data for blk in export_cached_blocks(writer, chain)}
+    chain = writer.kv_format.full_block_hashes(prompt)
+    blocks = {blk.hash: blk.data for blk in writer.export_cached(chain)}
     reader = make_engine(config, weights)
-    assert import_cached_blocks(reader, chain, blocks) == 3
-    assert resident_hashes(reader) == set(chain)
+    assert reader.place(chain, blocks) == chain
+    assert reader.resident() == set(chain)
     assert reader.block_manager.num_free_blocks == reader.block_manager.num_blocks  # cached, not referenced
     out, _ = _run(reader, "b", prompt, params)
     assert out == cold and reader.seqs == {}
 
 
 def test_waiting_sequences_holding_imported_prefixes_do_not_deadlock(make_engine, hf):
-    """Three prompts whose imported prefixes fill a small cache while they all wait: the head of
-    the queue takes the blocks the others hold (they stay cached by hash), and every output
-    equals its cold run. Before, nothing ran and the engine spun forever."""
+    """Three prompts whose imported prefixes would fill a small cache while they all wait. They
+    used to hold those blocks while waiting (nothing ran and the engine spun forever, then a
+    heuristic unpinned them); now a waiting sequence holds nothing: the scheduler takes each
+    one's KV in when it admits it, and every output equals its cold run."""
     config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 160) for _ in range(70)] for _ in range(3)]  # 4 full blocks + 6
@@ -96,21 +92,20 @@ def test_waiting_sequences_holding_imported_prefixes_do_not_deadlock(make_engine
     for i, p in enumerate(prompts):
         writer = make_engine(config, weights)
         _run(writer, "w", p, params)
-        chain = prompt_block_hashes(p, 16, writer.fingerprint, "float32")
-        blocks.update({blk.hash: blk.data for blk in export_cached_blocks(writer, chain)})
+        chain = writer.kv_format.full_block_hashes(p)
+        blocks.update({blk.hash: blk.data for blk in writer.export_cached(chain)})
 
     engine = make_engine(config, weights, num_blocks=12)  # 3 x 4 imported blocks: all of it
-    seqs = []
-    for i, p in enumerate(prompts):
-        assert engine.add_with_prefix(f"r{i}", p, params, blocks) == 64
-        seqs.append(engine.seqs[f"r{i}"])
-    assert engine.block_manager.num_free_blocks == 0
+    seqs = [engine.add(AddRequest(f"r{i}", p, params, blocks=blocks)) for i, p in enumerate(prompts)]
+    assert engine.block_manager.num_free_blocks == 12  # queued, holding nothing
     for _ in range(200):
         if not engine.has_unfinished():
             break
         engine.step()
+        engine.check_leaks()
     assert not engine.has_unfinished(), "the engine made no progress"
     assert [s.output_ids for s in seqs] == colds
+    assert seqs[0].num_cached_tokens == 64  # the head took its imported prefix in
 
 
 # ---- through the real stack (kvstore with a Redis tier, 1 prefill, 2 decode) -------------------
@@ -200,7 +195,9 @@ def test_next_turn_reuses_written_back_answer(stack, stories):
     ids1, _ = _generate(stub, turn1, max_tokens=64, session_id="conv-1")
     # Filled blocks are written back in the background; a person's think time is longer than
     # this wait for the conversation's full blocks (the last token has no KV yet) to be stored.
-    written = prompt_block_hashes((tok.encode(turn1) + ids1)[:-1], 16, stories.fingerprint, "float32")
+    c = stories.config
+    fmt = KVFormat.named(stories.fingerprint, "float32", c.num_layers, c.num_kv_heads, c.head_dim, 16)  # the stack's
+    written = fmt.full_block_hashes((tok.encode(turn1) + ids1)[:-1])
     written = written[:(len(tok.encode(turn1)) + len(ids1) - 1) // 16]
     deadline = time.monotonic() + 30
     while _stored_prefix(stack, written) < len(written) and time.monotonic() < deadline:

@@ -117,10 +117,6 @@ def test_fused_quantized_projections_equal_separate_ones():
 
 # ---- checkpoints --------------------------------------------------------------------------------
 
-PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
 def _autogptq_tensors(w: torch.Tensor, bits: int, group: int, perm: torch.Tensor | None, fmt: str):
     """What AutoGPTQ writes for w [out, in]: RTN codes per group, with groups taken over the input
     channels in `perm` order (act-order); zero points stored minus 1 in the classic format."""
@@ -143,18 +139,18 @@ def _write_autogptq_dir(tmp_path, model, bits, group, desc_act, fmt="gptq"):
     from safetensors.torch import save_file
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ours = model_config_from_hf(model.config, "llama")
     expected = {}
     g = torch.Generator().manual_seed(7)
-    for name in list(state):
-        if name.endswith("_proj.weight"):
-            base = name.removesuffix(".weight")
-            w = state.pop(name)
-            perm = torch.randperm(w.shape[1], generator=g) if desc_act else None
-            tensors, expected[name] = _autogptq_tensors(w, bits, group, perm, fmt)
-            state |= {f"{base}.{k}": t for k, t in tensors.items()}
+    for name in ours.arch.projection_names(ours):  # the decoder's linears, as AutoGPTQ quantizes them
+        base = name.removesuffix(".weight")
+        w = state.pop(name)
+        perm = torch.randperm(w.shape[1], generator=g) if desc_act else None
+        tensors, expected[name] = _autogptq_tensors(w, bits, group, perm, fmt)
+        state |= {f"{base}.{k}": t for k, t in tensors.items()}
     save_file(state, str(tmp_path / "model.safetensors"))
     config = model.config.to_dict()
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = list(ours.arch.hf_classes)
     config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
                                      "desc_act": desc_act, "sym": False, "checkpoint_format": fmt}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -13,12 +13,13 @@ import redis
 import torch
 
 from kvstore.redis_tier import block_key
-from pdserve.kvwire import BlockSpec, encode_block
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from redis_fixture import RedisServer, redis_server  # noqa: F401 - pytest fixture
 from test_kvstore_tiers import _start as start_tiered_store
 from test_kvstore_tiers import _stop
 
-SPEC = BlockSpec("0" * 32, torch.float32, 2, 1, 4, 4)
+SPEC = KVFormat("0" * 32, torch.float32, 2, 1, 4, 4)
 DEADLINE_S = 60.0  # generous: the refill is bounded by the store's poll (2 s) and its rate, not by this
 
 

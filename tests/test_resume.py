@@ -10,7 +10,7 @@ import torch
 
 from conftest import STORIES_GGUF
 from gateway.resume import MAX_RESUMES, StreamProgress
-from pdserve.runtime.engine import Engine
+from pdserve.runtime.engine import AddRequest, Engine
 from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from prefill.single_flight import SingleFlight
@@ -44,11 +44,10 @@ def test_resume_point_continues_where_the_client_is() -> None:
 def _continue(engine: Engine, rid: str, prompt: list[int], delivered: list[int], params: SamplingParams,
               positioned: bool = True) -> list[int]:
     """What a worker resuming after `delivered` generates: Decode's local prefill of prompt +
-    delivered (add_with_prefix, nothing imported), told how many tokens were delivered."""
+    delivered (nothing imported), told how many tokens were delivered."""
     point = StreamProgress(prompt, params, list(delivered)).resume_point()
-    engine.add_with_prefix(rid, point.prompt_ids, point.sampling, {},
-                           resumed_tokens=point.resumed_tokens if positioned else 0)
-    seq = engine.seqs[rid]
+    seq = engine.add(AddRequest(rid, point.prompt_ids, point.sampling,
+                                resumed_tokens=point.resumed_tokens if positioned else 0))
     while engine.has_unfinished():
         engine.step()
     return seq.output_ids

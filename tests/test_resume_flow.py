@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from gateway import deadlines
 from gateway import server as gateway_server
 from gateway.deadlines import Deadlines
 from gateway.flow import GenerationRequest, ModelInfo, RequestFlow
@@ -213,11 +212,7 @@ def test_an_http_request_has_a_deadline(model: ModelInfo) -> None:
     body = {"model": "stories", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
 
     async def post(flow: RequestFlow, stream: bool) -> tuple[int, bytes]:
-        deadlines.use(Deadlines(http_request_s=1.0))
-        try:
-            app = create_app(flow, "stories")
-        finally:
-            deadlines.use(None)
+        app = create_app(flow, "stories", deadlines=Deadlines(http_request_s=1.0))
         async with TestClient(TestServer(app)) as client:
             resp = await client.post("/v1/completions", json={**body, "stream": stream})
             return resp.status, await resp.read()

@@ -66,8 +66,10 @@ def test_module_entry_points_and_http_bind_loopback_by_default() -> None:
 
 
 _LISTEN_ADDRESS = """
-from pdserve.grpc_server import start_metrics_http
-port = start_metrics_http()
+import os
+from pdserve.grpc_server import ProcessConfig, start_metrics_http
+config = ProcessConfig.from_env(os.environ)  # as a service's main builds it
+port = start_metrics_http(config.metrics_port, config.metrics_host)
 for table in ("/proc/net/tcp", "/proc/net/tcp6"):
     for line in open(table).read().splitlines()[1:]:
         local, state = line.split()[1], line.split()[3]

@@ -15,8 +15,8 @@ from gateway.auth import AuthError, KeyRing, bearer_token, digest, parse_keys
 from gateway.key_limits import KeyLimiter, KeyLimitExceeded, KeyLimits, TokenBucket, parse_rate
 from kvstore.client import KVStoreClient
 from kvstore.server import serve
-from pdserve import internal_auth, log_privacy, tls
-from pdserve.grpc_server import stop_server
+from pdserve import internal_auth, log_privacy
+from pdserve.grpc_server import ProcessConfig, stop_server
 from pdserve.healthcheck import check
 from pdserve.tls import TlsConfig, TlsConfigError
 from security_certs import make_pki
@@ -120,14 +120,18 @@ def test_tls_config_from_env_and_errors(tmp_path):
             TlsConfig.from_env(bad)
 
 
-async def _kvstore_with_token_and_mtls(pki) -> None:
-    server, port = await serve("127.0.0.1:0", 1 << 20)  # starts with this process's TLS and token
+async def _kvstore_with_token_and_mtls(pki, env: dict[str, str], monkeypatch) -> None:
+    # The server gets its config as a main would build it; KVStoreClient (which takes no config
+    # yet) dials as the process environment says, the same environment here.
+    process = ProcessConfig.from_env(env)
+    assert process.tls.client_auth and process.internal_token == "s3cret"
+    server, port = await serve("127.0.0.1:0", 1 << 20, process=process)
     address = f"127.0.0.1:{port}"
     try:
         async with KVStoreClient(address) as client:  # grpc_channel: TLS, client cert and token
             assert await client.lookup([b"h" * 32]) == 0
         assert await asyncio.to_thread(check, address) == "SERVING"
-        internal_auth.use("")  # a caller without the token
+        monkeypatch.delenv(internal_auth.TOKEN_ENV)  # a caller without the token
         async with KVStoreClient(address) as client:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await client.lookup([b"h" * 32])
@@ -140,35 +144,35 @@ async def _kvstore_with_token_and_mtls(pki) -> None:
         await stop_server(server, 0)
 
 
-def test_in_process_server_with_mtls_and_internal_token(tmp_path):
+def test_in_process_server_with_mtls_and_internal_token(tmp_path, monkeypatch):
     pki = make_pki(tmp_path)
-    tls.use(TlsConfig(str(pki.cert), str(pki.key), str(pki.ca), client_auth=True))
-    internal_auth.use("s3cret")
-    try:
-        asyncio.run(_kvstore_with_token_and_mtls(pki))
-    finally:
-        tls.use(None)
-        internal_auth.use(None)
+    env = {**TlsConfig(str(pki.cert), str(pki.key), str(pki.ca), client_auth=True).env(),
+           internal_auth.TOKEN_ENV: "s3cret"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    asyncio.run(_kvstore_with_token_and_mtls(pki, env, monkeypatch))
 
 
-def test_internal_token_from_file(tmp_path, monkeypatch):
+def test_internal_token_from_file(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
-    monkeypatch.delenv(internal_auth.TOKEN_ENV, raising=False)
-    monkeypatch.setenv(internal_auth.TOKEN_FILE_ENV, str(token_file))
-    assert internal_auth.token_from_env() == "from-file"
-    monkeypatch.setenv(internal_auth.TOKEN_ENV, "from-env")
-    assert internal_auth.token_from_env() == "from-env"
+    assert internal_auth.token_from_env({internal_auth.TOKEN_FILE_ENV: str(token_file)}) == "from-file"
+    both = {internal_auth.TOKEN_FILE_ENV: str(token_file), internal_auth.TOKEN_ENV: "from-env"}
+    assert internal_auth.token_from_env(both) == "from-env"
+    assert ProcessConfig.from_env(both).internal_token == "from-env"  # what a main builds
+    with pytest.raises(ValueError, match="PDSERVE_INTERNAL_TOKEN_FILE="):
+        ProcessConfig.from_env({internal_auth.TOKEN_FILE_ENV: str(tmp_path / "missing")})
 
 
 def test_log_privacy():
-    log_privacy.use(False)
-    try:
-        assert log_privacy.content("my secret prompt") == "<16 chars hidden; PDSERVE_LOG_PROMPTS=1 shows them>"
-        log_privacy.use(True)
-        assert log_privacy.content("my secret prompt") == "my secret prompt"
-    finally:
-        log_privacy.use(None)
+    from gateway.config import GatewayConfig
+
+    assert log_privacy.content("my secret prompt") == "<16 chars hidden; PDSERVE_LOG_PROMPTS=1 shows them>"
+    assert log_privacy.content("my secret prompt", shown=True) == "my secret prompt"
+    # The gateway's setting: hidden unless --log-prompts or PDSERVE_LOG_PROMPTS=1 asks.
+    assert not GatewayConfig().log_prompts
+    assert GatewayConfig.from_args(None, {log_privacy.LOG_PROMPTS_ENV: "1"}).log_prompts
+    assert not GatewayConfig.from_args(None, {log_privacy.LOG_PROMPTS_ENV: "0"}).log_prompts
     assert log_privacy.url("redis://:pw@redis:6379/0") == "redis://:***@redis:6379/0"
     assert log_privacy.url("rediss://user:pw@[::1]:6380/1") == "rediss://user:***@[::1]:6380/1"
     assert log_privacy.url("redis://redis:6379/0") == "redis://redis:6379/0"

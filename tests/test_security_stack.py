@@ -23,9 +23,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import STORIES_GGUF
-from gateway import auth
 from gateway import server as gateway_server
-from pdserve import internal_auth, log_privacy, tls
+from gateway.config import GatewayConfig
+from pdserve import internal_auth
+from pdserve.tls import TlsConfig
 from pdserve.ports import free_port
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
@@ -207,16 +208,12 @@ def test_http_api_over_tls_with_keys(stack, pki):
     asyncio.run(_http_checks(stack, pki))
 
 
-async def _in_process_gateway_request(stack, secret_prompt: str, secret_key: str) -> None:
+async def _in_process_gateway_request(stack, secret_prompt: str, secret_key: str, settings: GatewayConfig) -> None:
     workers = {n: stack.child(n).spec.address for n in ("prefill-0", "decode-0", "kvstore")}
-    auth.use(auth.KeyRing(auth.parse_keys(f"{secret_key} name=tenant")))
+    server, port = await gateway_server.serve("127.0.0.1:0", workers["prefill-0"], workers["decode-0"],
+                                              workers["kvstore"], None, http_bind="127.0.0.1:0", settings=settings)
     try:
-        server, port = await gateway_server.serve("127.0.0.1:0", workers["prefill-0"], workers["decode-0"],
-                                                  workers["kvstore"], None, http_bind="127.0.0.1:0")
-    finally:
-        auth.use(None)
-    try:
-        config = tls.current()
+        config = settings.process.tls
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", config.channel_credentials()) as channel:
             req = gateway_pb2.ChatRequest(messages=[gateway_pb2.ChatMessage(role="user", content=secret_prompt)],
                                           sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0))
@@ -229,18 +226,19 @@ async def _in_process_gateway_request(stack, secret_prompt: str, secret_key: str
         await gateway_server.stop(server, grace_s=1)
 
 
-def test_logs_carry_no_prompt_or_key(stack, pki, caplog):
+def test_logs_carry_no_prompt_or_key(stack, pki, caplog, tmp_path, monkeypatch):
     secret_prompt, secret_key = "The zebra whispered xylophone-42 to", "sk-secret-0f9e8d7c6b"
-    tls.use(tls.TlsConfig(str(pki.cert), str(pki.key), str(pki.ca), client_auth=True))
-    internal_auth.use(TOKEN)
-    log_privacy.use(False)
-    try:
-        with caplog.at_level(logging.DEBUG):
-            asyncio.run(_in_process_gateway_request(stack, secret_prompt, secret_key))
-    finally:
-        tls.use(None)
-        internal_auth.use(None)
-        log_privacy.use(None)
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{secret_key} name=tenant\n")
+    env = {**TlsConfig(str(pki.cert), str(pki.key), str(pki.ca), client_auth=True).env(),
+           internal_auth.TOKEN_ENV: TOKEN, "PDSERVE_API_KEYS_FILE": str(keys), "PDSERVE_LOG_PROMPTS": "0"}
+    # The gateway's settings as its main would build them; its worker pools and kvstore client
+    # (which take no config yet) dial as the process environment says: the same environment.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = GatewayConfig.from_args(None, env)
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(_in_process_gateway_request(stack, secret_prompt, secret_key, settings))
     assert any("pdserve.v1.Gateway" in r.getMessage() for r in caplog.records)  # the capture works
     text = caplog.text
     assert secret_prompt not in text and "xylophone" not in text and secret_key not in text

@@ -103,10 +103,7 @@ def test_evaluation_is_throttled_between_ticks() -> None:
     assert slo.breached
 
 
-def test_threshold_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_SLO_TTFT_P99_MS", "400")
-    monkeypatch.setenv("PDSERVE_SLO_WINDOW_S", "30")
-    config = SloConfig.from_env()
+def test_threshold_from_environment() -> None:
+    config = SloConfig.from_env({"PDSERVE_SLO_TTFT_P99_MS": "400", "PDSERVE_SLO_WINDOW_S": "30"})
     assert config.threshold_s == pytest.approx(0.4) and config.window_s == 30
-    monkeypatch.delenv("PDSERVE_SLO_TTFT_P99_MS")
-    assert SloConfig.from_env().threshold_s == pytest.approx(0.25)  # the default
+    assert SloConfig.from_env({"PDSERVE_SLO_WINDOW_S": "30"}).threshold_s == pytest.approx(0.25)  # the default

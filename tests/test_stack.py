@@ -9,7 +9,8 @@ import pytest
 
 from waiting import wait_until
 from conftest import STORIES_GGUF
-from pdserve.kvwire import BlockSpec, encode_block
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.block_hash import prompt_block_hashes
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.loader import load_checkpoint
@@ -155,7 +156,7 @@ def test_corrupted_kv_block_is_detected_and_recomputed(stack, checkpoint, refere
     prompt = "A corrupted block must never reach the model: the little girl smiled and said"
     ids = tok.encode(prompt)
     first_hash = prompt_block_hashes(ids, 16, checkpoint.fingerprint, "float32")[0]
-    spec = BlockSpec(checkpoint.fingerprint, __import__("torch").float32, c.num_layers, c.num_kv_heads,
+    spec = KVFormat(checkpoint.fingerprint, __import__("torch").float32, c.num_layers, c.num_kv_heads,
                      c.head_dim, 16)
     import torch
 

@@ -218,7 +218,10 @@ def test_tracing_off_engine_makes_no_spans(monkeypatch: pytest.MonkeyPatch) -> N
 
             async def run() -> int:
                 n = 0
-                async for outs in aengine.generate("r", lambda e: e.add("r")):
+                from pdserve.runtime.engine import AddRequest
+                from pdserve.runtime.sampling_params import SamplingParams
+
+                async for outs in aengine.generate(AddRequest("r", [1], SamplingParams())):
                     n += len(outs)
                 return n
             assert asyncio.run(run()) >= 1
@@ -240,10 +243,14 @@ class _FakeEngine:
         self.seqs: dict = {}
         self.scheduler = type("S", (), {"running": [], "waiting": []})()
         self.block_manager = type("B", (), {"num_blocks": 8, "num_free_blocks": 8})()
+        self.pins = type("P", (), {"expire": lambda self: 0})()
 
-    def add(self, rid: str) -> None:
-        self.pending.append(rid)
+    def add(self, request) -> None:
+        self.pending.append(request.request_id)
         self.left = 3
+
+    def load(self):
+        return None
 
     def has_unfinished(self) -> bool:
         return self.left > 0

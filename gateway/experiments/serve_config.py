@@ -35,8 +35,7 @@ from typing import Any
 
 from gateway.experiments.config import (ExperimentConfig, ExperimentConfigError, _table, _unknown_keys,
                                         parse_experiment)
-
-KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")  # as `pdserve up --kv-dtype`
+from pdserve.runtime.config import KV_DTYPE_NAMES as KV_DTYPES  # as `pdserve up --kv-dtype`
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # also a process name and a metrics label
 TARGET_KINDS = ("prefill", "decode", "kvstore")
 DEPLOYMENT_KEYS = {"model", "kv_dtype", "block_size", "prefill", "decode", "num_blocks",

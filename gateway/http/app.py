@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
-from gateway import auth, request_limits
+from gateway import auth
+from gateway.deadlines import Deadlines
 from gateway.deployments import Catalog, as_catalog
 from gateway.flow import RequestFlow
 from gateway.http.errors import Handler, openai_errors
 from gateway.http.handlers import ApiHandlers
+from gateway.request_limits import RequestLimits
 from gateway.slo import SloMonitor
-from pdserve import tls
+from pdserve.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +43,19 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     return response
 
 
-def create_app(catalog: Catalog | RequestFlow, model_name: str = "default", slo: SloMonitor | None = None
-               ) -> web.Application:
+def create_app(catalog: Catalog | RequestFlow, model_name: str = "default", slo: SloMonitor | None = None, *,
+               limits: RequestLimits | None = None, deadlines: Deadlines | None = None,
+               keys: auth.KeyRing | None = None) -> web.Application:
     """The HTTP API over `catalog` (its public names are what clients send as `model`; a bare flow is
     one deployment called `model_name`); its requests' TTFTs feed `slo` (pass the gRPC servicer's,
-    so one SLO window sees both APIs)."""
-    h = ApiHandlers(as_catalog(catalog, model_name), slo)
+    so one SLO window sees both APIs). `limits` (body size, ids, body timeout) and `deadlines` (each
+    request's bound) are the gateway's settings (default: theirs); `keys` the API keys (None: off)."""
+    limits = limits or RequestLimits()
+    h = ApiHandlers(as_catalog(catalog, model_name), slo, limits=limits, deadlines=deadlines)
     # count_requests sits outside openai_errors, so it sees the error responses too.
     # API keys (gateway.auth) inside openai_errors: refusals are OpenAI error JSON too.
-    app = web.Application(middlewares=[count_requests, openai_errors, *auth.http_middlewares()],
-                          client_max_size=request_limits.current().max_request_bytes)
+    app = web.Application(middlewares=[count_requests, openai_errors, *auth.http_middlewares(keys)],
+                          client_max_size=limits.max_request_bytes)
     app.router.add_post("/v1/chat/completions", h.chat_completions)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
@@ -83,16 +88,20 @@ def split_bind(bind: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-async def start_http(app: web.Application, bind: str, grace_s: float = 5.0) -> HttpServer:
-    """Serve `app` on `bind` ("host:port"; port 0 picks a free one) on the running loop."""
+async def start_http(app: web.Application, bind: str, grace_s: float = 5.0, *,
+                     header_timeout_s: float = RequestLimits().http_header_timeout_s,
+                     tls: TlsConfig | None = None) -> HttpServer:
+    """Serve `app` on `bind` ("host:port"; port 0 picks a free one) on the running loop; a connection
+    gets `header_timeout_s` to send each request head (--http-header-timeout-s); HTTPS when `tls`
+    has a certificate (the gateway's, pdserve.tls)."""
     host, port = split_bind(bind)
     # handler_cancellation: a client that disconnects cancels its handler, and with it the
     # request's downstream calls (the default would let it run on, holding KV, until the next write).
     # keepalive_timeout: the slow-header bound (module docstring); aiohttp's default is an hour.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
-                           keepalive_timeout=request_limits.current().http_header_timeout_s)
+                           keepalive_timeout=header_timeout_s)
     await runner.setup()
-    config = tls.current()  # HTTPS with the process's certificate when it has one (pdserve.tls)
+    config = tls or TlsConfig()  # HTTPS with the gateway's certificate when it has one (pdserve.tls)
     site = web.TCPSite(runner, host, port, ssl_context=config.http_ssl_context() if config.serves_tls else None)
     try:
         await site.start()

@@ -41,8 +41,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from gateway import request_limits
-from gateway import deadlines
+from gateway.deadlines import Deadlines
 from gateway.deployments import Catalog, Route, UnknownModel
 from gateway.flow import GenerationRequest, RequestFlow
 from gateway.http.errors import ApiError, api_error_of, json_dumps
@@ -52,6 +51,7 @@ from gateway.http.sse import SSEWriter
 from gateway.observe import RequestObserver, observe_request
 from gateway.output import OutputChunk
 from gateway.request_ids import IDS, RequestIds, tenant_of
+from gateway.request_limits import RequestLimits
 from gateway.slo import SloMonitor
 from pdserve.grpc_server import ServiceError
 
@@ -81,12 +81,14 @@ def load_page() -> bytes:
 class ApiHandlers:
     """Serves the OpenAI-compatible endpoints, health, metrics and the chat page."""
 
-    def __init__(self, catalog: Catalog, slo: SloMonitor | None = None, ids: RequestIds = IDS) -> None:
+    def __init__(self, catalog: Catalog, slo: SloMonitor | None = None, ids: RequestIds = IDS, *,
+                 limits: RequestLimits | None = None, deadlines: Deadlines | None = None) -> None:
         self.catalog = catalog
-        self.limits = request_limits.current()  # as the app was made with (its body size limit too)
+        self.limits = limits or RequestLimits()  # as the app was made with (its body size limit too)
         self.ids = ids
         self.slo = slo  # the gRPC servicer's, so that one SLO window sees both APIs
-        self.timeout_s = deadlines.current().http_request_s  # each request's total bound (--http-timeout-s)
+        # Each request's total bound (--http-timeout-s).
+        self.timeout_s = (deadlines or Deadlines()).http_request_s
         self.created = int(time.time())
         self.page = load_page()
 

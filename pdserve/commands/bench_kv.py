@@ -404,27 +404,29 @@ async def _transfer(args: argparse.Namespace, redis_proc: RedisProcess) -> dict:
     import torch
 
     from kvstore.client import KVStoreClient
-    from kvstore.server import StoreOptions, serve_store
+    from kvstore.config import KVStoreConfig
+    from kvstore.server import serve_store
     from pdserve.grpc_server import stop_server
     from pdserve import kv_mac
-    from pdserve.kvwire import BlockSpec, encode_block
+    from pdserve.kvwire import encode_block
+    from pdserve.runtime.kv_format import KVFormat
 
     # 64 KiB of KV per token: 16 layers x 2 (K, V) x 8 KV heads x 64 dims x fp32 = 64 KiB.
-    spec = BlockSpec("0" * 32, torch.float32, 16, 8, 64, 16)
+    spec = KVFormat("0" * 32, torch.float32, 16, 8, 64, 16)
     tensor = torch.randn(spec.shape)
     block = encode_block(tensor, spec, 16)  # 1 MiB + header per block
     n = max(int(args.transfer_mb * (1 << 20) // len(block)), 8)
     hashes = [hashlib.blake2b(f"t{i}".encode(), digest_size=16).digest() for i in range(n)]
     # Signed as workers sign them (each for its own hash), so the bytes moved are the real ones.
-    key = kv_mac.current_key() or kv_mac.generate_key().encode()
+    key = kv_mac.key_from_env(os.environ) or kv_mac.generate_key().encode()
     start = time.perf_counter()
     signed = {h: encode_block(tensor, spec, 16, h, key) for h in hashes}
     encode_s = time.perf_counter() - start
     batch = 16  # blocks per call: one 256-token prompt
     total_mb = n * len(block) / 1e6
 
-    options = StoreOptions(4 * n * len(block), backend=redis_proc.url)
-    server, port, store = await serve_store("127.0.0.1:0", options)
+    config = KVStoreConfig(bind="127.0.0.1:0", capacity_bytes=4 * n * len(block), backend=redis_proc.url)
+    server, port, store = await serve_store(config)
     client = KVStoreClient(f"127.0.0.1:{port}")
     start = time.perf_counter()
     for i in range(0, n, batch):

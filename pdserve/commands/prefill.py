@@ -10,8 +10,10 @@ HELP = "run a prefill worker (computes prompt KV, writes it to the kvstore)"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.engine_args import add_worker_args
+    from pdserve.worker_config import add_arguments as add_worker_config_args
 
     add_worker_args(p, default_bind="127.0.0.1:50061")
+    add_worker_config_args(p, decode=False)  # the rest of WorkerConfig: --log-level, --metrics-port, ...
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the command imports its heavy parts only when it runs
-    from pdserve.kvwire import BlockSpec
+    from pdserve.runtime.kv_format import KVFormat
     from pdserve.redis_process import RedisProcess
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import Checkpoint
@@ -133,7 +133,7 @@ class FaultContext:
     log: LoadLog | None  # set when the load starts
     attacks: AttackLog | None  # likewise
     checkpoint: Checkpoint  # its tokenizer hashes the poisoned prompts
-    block_spec: BlockSpec  # of the stack's KV: what a forged block must look like
+    block_spec: KVFormat  # of the stack's KV: what a forged block must look like
     burst: int  # --prefill-cancel-burst
 
 
@@ -161,9 +161,8 @@ def soak(args: argparse.Namespace, faults: list) -> dict:
     return build_report(args, phases, refs, faults, result)
 
 
-def _block_spec(engine: Engine) -> BlockSpec:
-    from pdserve.worker_common import block_spec
-    return block_spec(engine)
+def _block_spec(engine: Engine) -> KVFormat:
+    return engine.kv_format
 
 
 def load_and_check(args: argparse.Namespace, faults: list, ctx: FaultContext, phases: Phases) -> dict:

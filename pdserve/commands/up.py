@@ -48,7 +48,12 @@ HELP = "run kvstore, prefill and decode workers and the gateway as local child p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from gateway.config import GatewayConfig
+    from kvstore.config import KVStoreConfig
     from pdserve.engine_args import add_dtype_args
+
+    # The children's defaults are their configs': one default per setting, whoever starts them.
+    gateway, kvstore = GatewayConfig(), KVStoreConfig()
 
     p.add_argument("--model", default=None,
                    help="GGUF file or HF checkpoint directory (default: $PDSERVE_MODEL, else SmolLM2-135M-Instruct "
@@ -59,9 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
-    p.add_argument("--grpc-port", type=int, default=50051, help="the gateway's gRPC port")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="the gateway's OpenAI-compatible HTTP API and chat page (0 disables it)")
+    p.add_argument("--grpc-port", type=int, default=int(gateway.bind.rsplit(":", 1)[1]),
+                   help="the gateway's gRPC port (default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=gateway.http_port,
+                   help="the gateway's OpenAI-compatible HTTP API and chat page (0 disables it; default: %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: torch's default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
@@ -69,10 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=0,
                    help="token budget of one engine step in each worker (0: the workers' default); smaller"
                         " chunks let short prompts pass long ones sooner")
-    p.add_argument("--kvstore-capacity-mb", type=float, default=1024, help="memory of the kvstore")
+    p.add_argument("--kvstore-capacity-mb", type=float, default=kvstore.capacity_bytes / (1 << 20),
+                   help="memory of the kvstore (default: %(default)s)")
     p.add_argument("--kv-backend", default=os.environ.get("PDSERVE_KV_BACKEND", "memory"),
                    help="the kvstore's second tier: memory (none) or redis://host:port/db")
-    p.add_argument("--max-inflight", type=int, default=256, help="the gateway's in-flight request limit")
+    p.add_argument("--max-inflight", type=int, default=gateway.max_inflight,
+                   help="the gateway's in-flight request limit (default: %(default)s)")
     p.add_argument("--metrics-port-base", type=int, default=0,
                    help="serve each child's Prometheus /metrics on consecutive ports from this one (0: off)")
     p.add_argument("--startup-timeout", type=float, default=120.0,

@@ -14,11 +14,9 @@ from typing import Any
 
 import torch
 
-from pdserve.quant.gptq_format import QUANT_CONFIG_FILE, QuantizedWeight
+from pdserve.quant.gptq_format import QUANT_CONFIG_FILE, QuantizedWeight, module_name
 from pdserve.quant.spec import QuantSpec
 from pdserve.runtime.hf_reader import GGUF_TOKENIZER_FILE
-
-ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def quantization_config(spec: QuantSpec, method: str, damp_percent: float,
@@ -31,14 +29,15 @@ def quantization_config(spec: QuantSpec, method: str, damp_percent: float,
     }
 
 
-def state_dict(weights: dict, tied: bool) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors: QuantizedWeights expand to qweight/qzeros/scales/g_idx; a tied head is left out."""
+def state_dict(weights: dict, tied_head: str | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors: QuantizedWeights expand to qweight/qzeros/scales/g_idx; `tied_head`, the
+    name of a head that is the embedding itself, is left out (a falsy value leaves nothing out)."""
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        if tied and name == "lm_head.weight":
+        if tied_head and name == tied_head:
             continue
         if isinstance(w, QuantizedWeight):
-            out |= w.tensors(name.removesuffix(".weight"))
+            out |= w.tensors(module_name(name))
         else:
             out[name] = w.detach().contiguous()
     return out
@@ -54,7 +53,7 @@ def model_config_json(checkpoint) -> dict[str, Any]:
     from pdserve.hf_baseline import hf_config
 
     raw = hf_config(checkpoint.config).to_dict()
-    raw["architectures"] = [ARCH_CLASSES[checkpoint.config.architecture]]
+    raw["architectures"] = [checkpoint.config.arch.hf_classes[0]]
     return raw
 
 
@@ -91,10 +90,12 @@ def save_quantized(out_dir: str | Path, checkpoint, weights: dict, qconfig: dict
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(state_dict(weights, checkpoint.config.tie_word_embeddings), str(out / "model.safetensors"),
+    config = checkpoint.config
+    tied_head = config.arch.global_name("lm_head") if config.tie_word_embeddings else None
+    save_file(state_dict(weights, tied_head), str(out / "model.safetensors"),
               metadata={"format": "pt", "quantization": "gptq"})
-    config = model_config_json(checkpoint) | {"quantization_config": qconfig}
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    config_json = model_config_json(checkpoint) | {"quantization_config": qconfig}
+    (out / "config.json").write_text(json.dumps(config_json, indent=2, default=str) + "\n")
     (out / QUANT_CONFIG_FILE).write_text(json.dumps(qconfig, indent=2) + "\n")
     save_tokenizer(checkpoint, out)
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,10 +28,12 @@ from pdserve.quant.packing import pack_cols, pack_rows, per_word, unpack_cols, u
 from pdserve.quant.quantizer import QuantResult
 from pdserve.quant.spec import SUPPORTED_BITS, QuantError
 
+if TYPE_CHECKING:
+    from pdserve.runtime.config import ModelConfig
+
 # checkpoint_format -> offset added to the stored zero points.
 ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PARTS = ("qweight", "qzeros", "scales", "g_idx")  # the tensors of one quantized linear, after "<name>."
 QUANT_CONFIG_FILE = "quantize_config.json"
 
 
@@ -166,34 +168,40 @@ def build_quantized_weight(name: str, tensors: dict[str, torch.Tensor], out: int
                            g_idx.to(torch.int32).contiguous(), qc.bits, qc.zero_offset, n, out)
 
 
-def linear_names(num_layers: int) -> list[str]:
-    return [f"model.layers.{i}.{p}" for i in range(num_layers) for p in PROJECTIONS]
+def module_name(weight_name: str) -> str:
+    """GPTQ names a linear's tensors after its module: <module>.weight -> <module>.qweight, ..."""
+    return weight_name.removesuffix(".weight")
 
 
-def read_quantized_linears(files: list[Path], shapes: dict[str, tuple[int, ...]], num_layers: int,
-                           qc: QuantConfig, dtype: torch.dtype) -> dict[str, QuantizedWeight]:
+def read_quantized_linears(files: list[Path], config: ModelConfig, qc: QuantConfig,
+                           dtype: torch.dtype) -> dict[str, QuantizedWeight]:
     """Every projection stored as qweight/... -> QuantizedWeight under its HF `.weight` name.
 
-    Projections stored densely (`.weight`, e.g. left unquantized) are read by the dense path.
+    The projections are the spec's quantizable linears (`config.arch`); those stored densely
+    (`.weight`, e.g. left unquantized) are read by the dense path.
     """
     from safetensors import safe_open
 
-    wanted = {f"{n}.{part}" for n in linear_names(num_layers) for part in ("qweight", "qzeros", "scales", "g_idx")}
+    arch = config.arch
+    names = arch.projection_names(config)
+    head = f"{module_name(arch.global_name('lm_head'))}.qweight"
+    wanted = {f"{module_name(n)}.{part}" for n in names for part in PARTS}
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            if "lm_head.qweight" in st.keys():
+            if head in st.keys():
                 raise QuantError("a quantized lm_head is not supported (only the decoder layers' projections)")
             for key in wanted.intersection(st.keys()):
                 tensors[key] = st.get_tensor(key)
     if not tensors:
         raise QuantError("the config says GPTQ but no tensor is quantized (no *.qweight): "
                          "the quantization config and the tensors disagree")
+    shapes = arch.expected_shapes(config)
     out: dict[str, QuantizedWeight] = {}
-    for name in linear_names(num_layers):
-        if f"{name}.qweight" in tensors:
-            rows, cols = shapes[f"{name}.weight"]
-            out[f"{name}.weight"] = build_quantized_weight(name, tensors, rows, cols, qc, dtype)
+    for name in names:
+        if f"{module_name(name)}.qweight" in tensors:
+            rows, cols = shapes[name]
+            out[name] = build_quantized_weight(module_name(name), tensors, rows, cols, qc, dtype)
     return out
 
 

@@ -1,10 +1,37 @@
-"""AsyncEngine: one Engine on its own thread, driven by asyncio servicers.
+"""AsyncEngine: one Engine on its own thread, and the typed commands the worker services use.
 
-The engine is single-threaded by design (like vLLM's engine core): servicers hand it work
-as closures through a queue; the thread runs them between steps, then steps while any
-request is unfinished, and delivers each StepOutput to the asyncio queue of its request.
-When the engine was idle, it waits a short batching window after the first arrival so
-that requests arriving together start in one batch.
+The engine is single-threaded by design (like vLLM's engine core). Services never touch it or its
+block references: they send commands (`generate` with an AddRequest, `pin` / `unpin`, `place`,
+`export_held`, `export_cached`, `resident`, `check_leaks`) whose arguments and results are plain
+data; the thread runs them between steps, then steps while any request is unfinished, and
+delivers each StepOutput to the asyncio queue of its request. Two reads need no trip to the
+thread: `is_resident(hash)` (one dict lookup, a hint that may be stale: the engine re-checks
+whatever it is used for) and `load` (a snapshot published after every loop turn). When the engine
+was idle, it waits a short batching window after the first arrival so that requests arriving
+together start in one batch. Holds on prefetched blocks expire on this thread too.
+
+The path of one disaggregated request, and where each structure lives:
+
+    client ──HTTP/gRPC──▶ gateway process, asyncio loop: prompt text -> token ids (tokenizers, a
+        thread for long prompts); KVFormat.full_block_hashes -> kvstore Lookup (gRPC) -> how many
+        leading blocks the store holds; a prefill and a decode worker picked.
+    ──Prefill (gRPC)──▶ prefill worker process, asyncio loop (prefill.service): `pin` the prefix
+        blocks resident here (engine thread, PinTable); fetch the rest from the kvstore (gRPC,
+        bytes -> CPU tensors decoded in a thread, kvwire, MAC checked); `generate(AddRequest(...,
+        blocks, hold_blocks=True))`: the Sequence carries the fetched tensors (ExternalKV) into
+        Scheduler.waiting. Engine thread: admission allocates its blocks, the loads are copied
+        into the paged KV cache (CPU or GPU tensor), the pins dropped; steps compute the rest and
+        sample the first token; `export_held` copies the new blocks out (CPU) and releases them.
+        Back on the loop: encoded (a thread) and streamed to the kvstore under the request's lease.
+    ──kvstore process──▶ blocks in memory (bytes, LRU, content-addressed), Redis behind it.
+    ──Decode (gRPC, server stream)──▶ decode worker process, asyncio loop (decode.service): the
+        dispatch prefetch may have staged blocks already (pdserve.block_prefetch, CPU tensors);
+        the rest fetched; `generate(AddRequest(..., first_token, prompt_hashes, blocks))`. Engine
+        thread: admission shares what the paged cache holds and copies in the rest (or recomputes
+        what is missing); every step appends one token per running sequence; StepOutputs go to
+        the loop by call_soon_threadsafe, then as DecodeChunks to the gateway, which detokenizes
+        and streams text to the client. Filled blocks are exported (`export_cached`) and written
+        back to the kvstore in the background (decode.write_back).
 
 Bounded: at most `max_streams` requests are open at once (running, waiting, or on their way in);
 the next `generate` fails at once with QueueFullError (RESOURCE_EXHAUSTED at the worker's edge)
@@ -25,7 +52,7 @@ request errors ValueError, KeyError and QueueFullError: a KVLeakError means the 
 is corrupt), or a fire-and-forget command that raises marks the engine *failed*: every open
 request and every later call gets EngineDeadError (UNAVAILABLE at the worker's edge) naming the
 first failure, and the `on_failure` listeners hear of it once (the worker turns its health
-NOT_SERVING). Cleanup commands (`call_soon`, aborts) still run, so the accounting stays as right
+NOT_SERVING). Cleanup commands (`unpin`, aborts) still run, so the accounting stays as right
 as it can. `inject_fault_for_tests` (PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS) fails a step on purpose.
 """
 
@@ -36,12 +63,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any, TypeVar
+
+import torch
 
 from pdserve import telemetry
 from pdserve.runtime import engine_metrics
-from pdserve.runtime.engine import Engine, QueueFullError, RequestError, StepOutput
+from pdserve.runtime.engine import AddRequest, Engine, EngineLoad, QueueFullError, RequestError, StepOutput
+from pdserve.runtime.kv_transfer import ExportedBlock
+from pdserve.runtime.pins import Owner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,6 +102,7 @@ class AsyncEngine:
         self.failure: str | None = None  # why the engine failed; None while it is healthy
         self._failure_listeners: list[Callable[[str], None]] = []
         self._fault_at_step: int | None = None
+        self._load = engine.load()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> "AsyncEngine":
@@ -113,8 +145,58 @@ class AsyncEngine:
         return EngineDeadError(f"this worker's engine failed ({self.failure}); it reports NOT_SERVING"
                                " until restarted: send the request to another worker")
 
-    # ---- the asyncio side ---------------------------------------------------------------
-    async def call(self, fn: Callable[[Engine], T]) -> T:
+    # ---- commands (the asyncio side) ------------------------------------------------------
+    async def pin(self, owner: Owner, hashes: list[bytes], ttl_s: float | None = None) -> int:
+        """Pins the blocks of `hashes` the cache holds for `owner` (pdserve.runtime.pins); how many."""
+        hashes = list(hashes)
+        return await self._call(lambda e: e.pin(owner, hashes, ttl_s))
+
+    def unpin(self, owner: Owner, hashes: Collection[bytes] | None = None) -> None:
+        """Drops `owner`'s pins, without waiting; also on a failed engine (see `_cleanup`)."""
+        hashes = None if hashes is None else set(hashes)
+        self._cleanup(lambda e: e.unpin(owner, hashes))
+
+    async def place(self, hashes: list[bytes], blocks: Mapping[bytes, torch.Tensor], hold: Owner | None = None,
+                    hold_hashes: list[bytes] | None = None, ttl_s: float | None = None) -> list[bytes]:
+        """Copies a chain of blocks into the cache as cached blocks (Engine.place); the hashes placed."""
+        hashes = list(hashes)
+        return await self._call(lambda e: e.place(hashes, blocks, hold, hold_hashes, ttl_s))
+
+    async def export_held(self, request_id: str, skip: Collection[bytes] = ()) -> list[ExportedBlock]:
+        """Copies of a held prefill's prompt blocks but `skip`; the blocks are released on the
+        engine thread whatever happens to this caller."""
+        skip = frozenset(skip)
+
+        def export_and_release(engine: Engine) -> list[ExportedBlock]:
+            try:
+                return engine.export_held(request_id, skip)
+            finally:
+                engine.release_held(request_id)
+        return await self._call(export_and_release)
+
+    async def export_cached(self, hashes: list[bytes]) -> list[ExportedBlock]:
+        hashes = list(hashes)
+        return await self._call(lambda e: e.export_cached(hashes))
+
+    async def resident(self) -> frozenset[bytes]:
+        """Hashes of every full block the cache holds."""
+        return await self._call(lambda e: e.resident())
+
+    async def check_leaks(self) -> None:
+        """KVLeakError (as EngineDeadError: the accounting is corrupt) unless every reference is owned."""
+        await self._call(lambda e: e.check_leaks())
+
+    def is_resident(self, block_hash: bytes) -> bool:
+        """Whether the cache holds this block now: a hint read off the engine thread (one dict
+        lookup), for saving transfers; whatever it decides, the engine re-checks."""
+        return self.engine.block_manager.is_resident(block_hash)
+
+    @property
+    def load(self) -> EngineLoad:
+        """What the engine was doing after its last loop turn."""
+        return self._load
+
+    async def _call(self, fn: Callable[[Engine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps and returns its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
@@ -136,7 +218,7 @@ class AsyncEngine:
         self._submit(run)
         return await future
 
-    def call_soon(self, fn: Callable[[Engine], Any]) -> None:
+    def _cleanup(self, fn: Callable[[Engine], Any]) -> None:
         """Runs `fn(engine)` on the engine thread without waiting for it, even on a failed engine.
 
         For releases: submitting is synchronous, so a caller being cancelled cannot lose one (an
@@ -148,13 +230,14 @@ class AsyncEngine:
         except EngineDeadError:
             log.debug("engine stopped: cleanup command dropped")
 
-    async def generate(self, request_id: str, add: Callable[[Engine], Any]) -> AsyncIterator[list[StepOutput]]:
-        """Adds a request with `add(engine)` and yields its outputs until it finishes.
+    async def generate(self, request: AddRequest) -> AsyncIterator[list[StepOutput]]:
+        """Adds `request` and yields its outputs until it finishes.
 
         Each item is every output that arrived since the last one (usually one): when the
         consumer falls behind the engine, tokens are coalesced instead of queueing messages.
         Leaving early (client gone, cancellation, error) aborts the request and frees its KV.
         """
+        request_id = request.request_id
         if self.max_streams is not None and len(self._streams) >= self.max_streams:
             raise QueueFullError(f"worker has {len(self._streams)} requests open, its limit "
                                  "(--max-waiting + --max-batch-size): retry later")
@@ -165,7 +248,7 @@ class AsyncEngine:
         admission = _Admission()
         finished = False
         try:
-            await self._admit(request_id, add, admission)
+            await self._admit(request, admission)
             while not finished:
                 batch = [await outputs.get()]
                 while not outputs.empty():
@@ -184,22 +267,23 @@ class AsyncEngine:
                 # while `add` was still on its way; a refused `add` left nothing to abort.
                 self._submit(lambda: admission.added and self.engine.abort(request_id), cleanup=True)
 
-    async def _admit(self, request_id: str, add: Callable[[Engine], Any], admission: "_Admission") -> None:
-        """Runs `add` on the engine thread, noting when the request entered (and, when tracing, a span)."""
-        def timed_add(engine: Engine) -> Any:
-            result = add(engine)
+    async def _admit(self, request: AddRequest, admission: "_Admission") -> None:
+        """Adds `request` on the engine thread, noting when it entered (and, when tracing, a span)."""
+        request_id = request.request_id
+
+        def timed_add(engine: Engine) -> None:
+            engine.add(request)
             admission.added = True
             self._entered_at[request_id] = time.perf_counter()
-            return result
 
         if not self._tracing:
-            await self.call(timed_add)
+            await self._call(timed_add)
             return
         ctx = telemetry.current_span_context()
         if ctx is not None:
             self._trace_ctx[request_id] = ctx
         with telemetry.tracer().start_as_current_span("engine.admit", attributes={"pdserve.request_id": request_id}):
-            await self.call(timed_add)
+            await self._call(timed_add)
 
     def _submit(self, command: Callable[[], Any], cleanup: bool = False) -> None:
         if self._stopping or not self._thread.is_alive():
@@ -219,11 +303,13 @@ class AsyncEngine:
                     time.sleep(self.batch_window_s)  # let requests that arrive together batch
             self._wake.clear()
             self._drain_commands()
+            self.engine.pins.expire()
             if self.engine.has_unfinished() and not self._step():
                 # Nothing was schedulable (blocks held by finished prefills awaiting export):
                 # wait for a command to change that instead of spinning a core.
                 self._wake.wait(timeout=0.05)
             engine_metrics.refresh_gauges(self.engine)
+            self._load = self.engine.load()
         self._fail_all(EngineDeadError("the engine stopped"))
 
     def _drain_commands(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.runtime.arch import ARCH_SPECS, ArchSpec
 
 # --kv-dtype values (the cache formats of `pdserve.runtime.kv_cache`); int8 and fp8_e4m3 are
 # codes with one scale per block and head. Here, free of torch, so that flag parsing stays light.
@@ -21,7 +22,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Shape of a Llama-family decoder (Llama, Mistral, Qwen2)."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # a key of arch.ARCH_SPECS: "llama" | "mistral" | "qwen2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,7 +39,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = (2,)
 
     def __post_init__(self) -> None:
-        if self.architecture not in ("llama", "mistral", "qwen2"):
+        if self.architecture not in ARCH_SPECS:
             raise ConfigError(f"unsupported architecture {self.architecture!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
@@ -47,6 +48,11 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def arch(self) -> ArchSpec:
+        """The architecture's spec: weight names and shapes, forward options."""
+        return ARCH_SPECS[self.architecture]
 
 
 def resolve_compute_dtype(name: str, device: str = "cpu") -> str:

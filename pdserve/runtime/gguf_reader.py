@@ -1,9 +1,11 @@
 """GGUF (llama.cpp) checkpoints: hyper-parameters, weights (quantized ones dequantized), tokenizer.
 
-Architectures: ``llama`` (Llama 1/2/3 without RoPE scaling, Mistral, SmolLM: llama.cpp writes them
-all as "llama") and ``qwen2`` (q/k/v biases). Tensor types: `SUPPORTED_TYPES`, dequantized by the
-`gguf` package into the requested dtype (keeping them packed is not done yet). Anything else is
-refused with a one-line `ModelLoadError` that names the file and what is unsupported.
+Architectures: the specs of `runtime.arch` with a GGUF name, ``llama`` (Llama 1/2/3 without RoPE
+scaling, Mistral, SmolLM: llama.cpp writes them all as "llama") and ``qwen2`` (q/k/v biases); the
+spec maps GGUF tensor names onto HF ones and says whose Q/K rows llama.cpp permuted. Tensor types:
+`SUPPORTED_TYPES`, dequantized by the `gguf` package into the requested dtype (keeping them packed
+is not done yet). Anything else is refused with a one-line `ModelLoadError` that names the file
+and what is unsupported.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_gguf
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
 from pdserve.runtime.gguf_vocab import VocabError, build_tokenizer
@@ -26,25 +29,9 @@ _T = GGMLQuantizationType
 # What llama.cpp's common presets (Q4_K_M, Q5_K_M, Q8_0, ...) contain.
 SUPPORTED_TYPES = frozenset({_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1,
                              _T.Q4_K, _T.Q5_K, _T.Q6_K})
-ARCHITECTURES = ("llama", "qwen2")
-# llama.cpp's converter interleaves Q/K rows for these (its "normal" RoPE); qwen2 is stored as is.
-_PERMUTED_QK = ("llama",)
+ARCHITECTURES = tuple(s.gguf_arch for s in ARCH_SPECS.values() if s.gguf_arch)
 # End-of-turn tokens of common chat templates: generation ends on them when the template uses them.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-
-# GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.").
-_LAYER_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-
 
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer, list[Path]]:
     reader, config, tokenizer = _read_header(path)
@@ -62,7 +49,7 @@ def _read_header(path: Path) -> tuple[GGUFReader, ModelConfig, GGUFTokenizer]:
     reader = _open(path)
     meta = _Metadata(path, reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if spec_for_gguf(arch) is None:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
                              f"(supported: {', '.join(ARCHITECTURES)})")
     tokenizer = read_tokenizer(meta)
@@ -134,13 +121,14 @@ def _eos_ids(meta: _Metadata, tokens: list[str], template: str | None) -> tuple[
 
 def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -> ModelConfig:
     arch = meta.require("general.architecture")
+    spec = spec_for_gguf(arch)
     key = lambda name: f"{arch}.{name}"  # noqa: E731 - hyper-parameters are keyed by architecture
     hidden = int(meta.require(key("embedding_length")))
     heads = int(meta.require(key("attention.head_count")))
     _refuse_rope_scaling(meta, reader, arch)
     try:
         return ModelConfig(
-            architecture=arch,
+            architecture=spec.name,
             vocab_size=tokenizer.vocab_size,
             hidden_size=hidden,
             intermediate_size=int(meta.require(key("feed_forward_length"))),
@@ -151,13 +139,21 @@ def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -
             rms_norm_eps=_float32(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
             rope_theta=_float32(meta.get(key("rope.freq_base"), 10000.0)),
             max_position_embeddings=int(meta.get(key("context_length"), 2048)),
-            tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-            attention_bias=any(t.name.endswith("attn_q.bias") for t in reader.tensors),
+            tie_word_embeddings=not _has_tensor(reader, spec, "lm_head"),
+            attention_bias=_has_tensor(reader, spec, "q_bias"),
             bos_token_id=tokenizer.bos_id,
             eos_token_ids=tokenizer.eos_ids,
         )
     except ConfigError as e:
         raise ModelLoadError(f"{meta.path}: {e}") from e
+
+
+def _has_tensor(reader: GGUFReader, spec: ArchSpec, role: str) -> bool:
+    """Whether the file holds the tensor of `role` (of any layer, for a layer tensor)."""
+    if any(t.role == role for t in spec.global_tensors):
+        return any(t.name == spec.global_tensor(role).gguf for t in reader.tensors)
+    suffix = "." + spec.layer_tensor(role).gguf
+    return any(t.name.endswith(suffix) for t in reader.tensors)
 
 
 def _refuse_rope_scaling(meta: _Metadata, reader: GGUFReader, arch: str) -> None:
@@ -176,33 +172,23 @@ def _float32(value: float) -> float:
 
 def read_weights(path: Path, reader: GGUFReader, config: ModelConfig,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors the spec names, under their HF names, Q/K rows back in HF order; a tied head
+    is made the embedding by `loader.tie_head`."""
+    spec = config.arch
     weights: dict[str, torch.Tensor] = {}
-    permuted = config.architecture in _PERMUTED_QK
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = spec.from_gguf(t.name)
         if name is None:
             continue  # not a weight of the HF model
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported GGML type {t.tensor_type.name} "
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
         w = _to_torch(t).to(dtype)
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope_rows(w, config.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope_rows(w, config.num_kv_heads)
+        heads = spec.gguf_permuted_heads(name, config)
+        if heads is not None:
+            w = unpermute_rope_rows(w, heads)
         weights[name] = w.contiguous()
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)  # "blk", "{i}", rest
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
 
 
 def _to_torch(t: Any) -> torch.Tensor:

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_hf_class
 from pdserve.runtime.config import ConfigError, ModelConfig
-from pdserve.runtime.loader import ModelLoadError, expected_shapes
+from pdserve.runtime.loader import ModelLoadError
 from pdserve.runtime.tokenizer import HFTokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -58,7 +58,7 @@ def _read_quantized(path: Path, files: list[Path], config: ModelConfig, dtype: t
                 raise QuantError("tensors are GPTQ-quantized (*.qweight) but there is no quantization_config "
                                  f"in config.json nor a {gf.QUANT_CONFIG_FILE}")
             return {}
-        return gf.read_quantized_linears(files, expected_shapes(config), config.num_layers, qc, dtype)
+        return gf.read_quantized_linears(files, config, qc, dtype)
     except QuantError as e:
         raise ModelLoadError(f"{path}: {e}") from e
 
@@ -70,12 +70,12 @@ def read_config(file: Path) -> ModelConfig:
         raise ModelLoadError(f"{file}: missing (an HF checkpoint directory needs config.json)") from None
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{file}: not valid JSON ({e})") from e
-    arch = _architecture(file, raw)
+    spec = _architecture(file, raw)
     _refuse_unsupported_features(file, raw)
     try:
         heads = int(raw["num_attention_heads"])
         return ModelConfig(
-            architecture=arch,
+            architecture=spec.name,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
             intermediate_size=int(raw["intermediate_size"]),
@@ -86,9 +86,9 @@ def read_config(file: Path) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(_rope_parameters(raw).get("rope_theta", raw.get("rope_theta", 10000.0))),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", spec.tie_word_embeddings)),
             # Qwen2 always has q/k/v biases; Llama may opt in with attention_bias.
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=spec.attention_bias or bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         )
@@ -98,14 +98,15 @@ def read_config(file: Path) -> ModelConfig:
         raise ModelLoadError(f"{file}: {e}") from e
 
 
-def _architecture(file: Path, raw: dict[str, Any]) -> str:
+def _architecture(file: Path, raw: dict[str, Any]) -> ArchSpec:
     names = raw.get("architectures") or []
     for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
+        spec = spec_for_hf_class(name)
+        if spec is not None:
+            return spec
     shown = names[0] if names else raw.get("model_type")
-    raise ModelLoadError(f"{file}: unsupported architecture {shown!r} "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+    supported = (c for s in ARCH_SPECS.values() for c in s.hf_classes)
+    raise ModelLoadError(f"{file}: unsupported architecture {shown!r} (supported: {', '.join(supported)})")
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
@@ -151,10 +152,11 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def read_weights(files: list[Path], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors the config needs; extra ones (e.g. rotary inv_freq buffers) are ignored."""
+    """The tensors the config's spec names; extra ones (e.g. rotary inv_freq buffers) are ignored.
+    A tied head is made the embedding by `loader.tie_head`."""
     from safetensors import safe_open
 
-    wanted = set(expected_shapes(config))
+    wanted = set(config.arch.expected_shapes(config))
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -163,7 +165,4 @@ def read_weights(files: list[Path], config: ModelConfig, dtype: torch.dtype) -> 
                     weights[name] = st.get_tensor(name).to(dtype).contiguous()
         except Exception as e:  # SafetensorError for bad headers, truncation, bad offsets
             raise ModelLoadError(f"{f}: corrupt or truncated safetensors file ({e})".splitlines()[0]) from e
-    if config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
-        # A tied head is the embedding itself, whether or not the file also stores a copy.
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return weights

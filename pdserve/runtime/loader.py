@@ -1,8 +1,9 @@
 """Checkpoint loading: a GGUF file or a HF checkpoint directory -> config, weights, tokenizer.
 
 The weights come out under HF Llama names, in the layout `LlamaForCausalLM.state_dict()` holds
-(rotate-half RoPE convention for Q and K), whatever the source. The format readers live in
-`gguf_reader` and `hf_reader`; this module checks what they return and fingerprints it.
+(rotate-half RoPE convention for Q and K), whatever the source; the names and shapes are the
+architecture spec's (`runtime.arch`). The format readers live in `gguf_reader` and `hf_reader`;
+this module ties the head, checks what they return against the spec and fingerprints it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.flo
     else:
         from pdserve.runtime.gguf_reader import read_gguf as read
     config, weights, tokenizer, files = read(source, dtype)
+    tie_head(config, weights)
     check_weights(source, config, weights)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer,
                       fingerprint=fingerprint(config, files), source=source.resolve())
@@ -108,29 +110,15 @@ def default_model_path() -> Path | None:
     return None
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight a checkpoint must provide, with its shape (out_features, in_features)."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
-            p + "mlp.up_proj.weight": (config.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, config.intermediate_size),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        }
-        if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (config.vocab_size, h)}
-    return shapes
+def tie_head(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """A tied head is the embedding itself, whether or not the file also stores a copy."""
+    embed, head = config.arch.global_name("embed"), config.arch.global_name("lm_head")
+    if config.tie_word_embeddings and embed in weights:
+        weights[head] = weights[embed]
 
 
 def check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    for name, shape in expected_shapes(config).items():
+    for name, shape in config.arch.expected_shapes(config).items():
         if name not in weights:
             raise ModelLoadError(f"{source}: missing tensor {name}")
         if tuple(weights[name].shape) != shape:

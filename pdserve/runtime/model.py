@@ -1,47 +1,162 @@
-"""Our own forward pass of the Llama family (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Our own forward pass of the Llama family (Llama, Mistral, Qwen2), with one decoder layer.
 
-Weights come in HF naming (see `loader.Checkpoint`); q/k/v and gate/up are fused into one
-matrix each so that one step is few large matmuls. Projections are "linear" objects
-(`pdserve.quant.linear`): dense ones run F.linear, GPTQ-quantized ones dequantize on the fly.
-The math follows transformers' LlamaForCausalLM (rotate-half RoPE, fp32 RMSNorm), which the tests hold it to.
+`DecoderLayer` is the only implementation of a layer. Its attention is passed in: serving runs it
+over the paged KV cache (`PagedAttention`, from `LlamaModel.forward`), GPTQ calibration over dense
+batches of whole sequences (`CausalAttention`, from `dense_forward`); norms, projections, RoPE and
+the MLP are the same code in both. Weights come in HF naming, looked up through the architecture
+spec (`config.arch`, see `runtime.arch`); q/k/v and gate/up are fused into one matrix each so that
+one step is few large matmuls. Projections are "linear" objects (`pdserve.quant.linear`): dense ones
+run F.linear, GPTQ-quantized ones dequantize on the fly. The math follows transformers'
+LlamaForCausalLM (rotate-half RoPE, fp32 RMSNorm), which the tests hold it to.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.quant.linear import Linear, as_linear, fused_linear
+from pdserve.runtime.arch import LinearSite
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.config import ModelConfig
 from pdserve.runtime.kernels import get_kernels, torch_ops
 
+# (layer index, q [N, H, hd], k [N, KVH, hd], v [N, KVH, hd]) -> attention output [N, H, hd].
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass(frozen=True, slots=True)
-class LayerWeights:
+class LayerContext:
+    """What every layer of a model shares: the kernels, shape constants and RoPE tables."""
+
+    kernels: ModuleType
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    split: tuple[int, int, int]  # widths of q, k, v in the fused qkv output
+    cos: torch.Tensor  # [max_positions, hd]
+    sin: torch.Tensor  # [max_positions, hd]
+
+
+def layer_context(config: ModelConfig, kernels: ModuleType, device: str | torch.device = "cpu") -> LayerContext:
+    """The shared part of `config`'s layers, RoPE tables on `device`."""
+    cos, sin = torch_ops.rope_cos_sin(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return LayerContext(kernels, config.rms_norm_eps, config.num_heads, config.num_kv_heads, config.head_dim,
+                        (q, kv, kv), cos.to(device), sin.to(device))
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayer:
+    """One pre-norm decoder layer over N tokens in a flat batch; the attention is an argument."""
+
+    index: int  # its layer in the KV cache
     input_norm: torch.Tensor  # [D]
     qkv: Linear  # [N, D] -> [N, (H + 2 * KVH) * hd], bias included
     o: Linear  # [N, H * hd] -> [N, D]
     post_norm: torch.Tensor  # [D]
     gate_up: Linear  # [N, D] -> [N, 2 * I]
     down: Linear  # [N, I] -> [N, D]
+    ctx: LayerContext
+
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 attend: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, D], the previous layer's MLP output (layer 0: the embeddings, residual None);
+        residual: [N, D], the residual stream before it. Returns this layer's (MLP output, residual
+        stream before it): their sum is the layer's output, left unsummed so that the next layer's
+        norm (or the final one) fuses the add. positions: [N] RoPE positions."""
+        c = self.ctx
+        k = c.kernels
+        if residual is None:
+            residual = hidden
+            hidden = k.rms_norm(hidden, self.input_norm, c.eps)
+        else:
+            hidden, residual = k.add_rms_norm(hidden, residual, self.input_norm, c.eps)
+        n = hidden.shape[0]
+        q, key, value = self.qkv(hidden).split(c.split, dim=-1)  # [N, H * hd], [N, KVH * hd] x 2
+        q = q.view(n, c.num_heads, c.head_dim)
+        key = key.view(n, c.num_kv_heads, c.head_dim)
+        value = value.view(n, c.num_kv_heads, c.head_dim)
+        q, key = k.apply_rope(q, key, positions, c.cos, c.sin)
+        out = attend(self.index, q, key, value)  # [N, H, hd]
+        hidden, residual = k.add_rms_norm(self.o(out.view(n, -1)), residual, self.post_norm, c.eps)
+        return self.down(k.silu_and_mul(self.gate_up(hidden))), residual
 
 
-def _layer_weights(w: dict, i: int, bias: bool) -> LayerWeights:
-    p = f"model.layers.{i}."
-    attn = [w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]
-    qkv_bias = [w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"] if bias else None
-    return LayerWeights(
-        input_norm=w[f"{p}input_layernorm.weight"],
-        qkv=fused_linear(attn, qkv_bias),
-        o=as_linear(w[f"{p}self_attn.o_proj.weight"]),
-        post_norm=w[f"{p}post_attention_layernorm.weight"],
-        gate_up=fused_linear([w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]]),
-        down=as_linear(w[f"{p}mlp.down_proj.weight"]),
-    )
+def site_linear(config: ModelConfig, w: dict, i: int, site: LinearSite) -> Linear:
+    """Layer i's linear of `site`: its weights (tensors or QuantizedWeights) fused, biases included."""
+    arch = config.arch
+    weights = [w[arch.layer_name(i, r)] for r in site.weights]
+    has_bias = bool(site.biases) and arch.layer_tensor(site.biases[0]).present(config)
+    biases = [w[arch.layer_name(i, r)] for r in site.biases] if has_bias else None
+    if len(weights) == 1:
+        return as_linear(weights[0], biases[0] if biases else None)
+    return fused_linear(weights, biases)
+
+
+def build_layer(config: ModelConfig, w: dict, i: int, ctx: LayerContext) -> DecoderLayer:
+    """Layer i of a weight dict keyed by HF names."""
+    arch = config.arch
+    if arch.qk_norm:  # a spec with it needs q_norm/k_norm here and their branch in DecoderLayer
+        raise NotImplementedError(f"{arch.name}: QK-norm is not implemented")
+    linears = {site.name: site_linear(config, w, i, site) for site in arch.sites}
+    return DecoderLayer(index=i, input_norm=w[arch.layer_name(i, "input_norm")],
+                        post_norm=w[arch.layer_name(i, "post_norm")], ctx=ctx, **linears)
+
+
+class PagedAttention:
+    """Serving's attention: writes the step's K/V into the paged cache, then attends over it
+    (decode tokens first, one per sequence, then each prefill chunk; see `attention`)."""
+
+    __slots__ = ("kernels", "meta", "kv_cache", "scale")
+
+    def __init__(self, kernels: ModuleType, meta: AttentionMetadata, kv_cache: torch.Tensor, scale: float) -> None:
+        self.kernels, self.meta, self.kv_cache, self.scale = kernels, meta, kv_cache, scale
+
+    def __call__(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        k, meta, cache = self.kernels, self.meta, self.kv_cache
+        k.write_kv(cache, layer, key, value, meta.slot_mapping)
+        out = torch.empty_like(q)  # [N, H, hd]
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = k.paged_decode_attention(
+                q[:nd], cache, layer, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        for p in meta.prefills:
+            sl = slice(p.query_start, p.query_start + p.query_len)
+            out[sl] = k.prefill_attention(q[sl], cache, layer, p.block_table, p.context_len, self.scale)
+        return out
+
+
+class CausalAttention:
+    """Calibration's attention: `batch` whole sequences of `seq_len` tokens each (rows sequence
+    by sequence), causal, no cache."""
+
+    __slots__ = ("batch", "seq_len", "scale")
+
+    def __init__(self, batch: int, seq_len: int, scale: float) -> None:
+        self.batch, self.seq_len, self.scale = batch, seq_len, scale
+
+    def __call__(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        b, t, (h, d), kvh = self.batch, self.seq_len, q.shape[1:], key.shape[1]
+        out = F.scaled_dot_product_attention(
+            q.view(b, t, h, d).transpose(1, 2), key.view(b, t, kvh, d).transpose(1, 2),
+            value.reshape(b, t, kvh, d).transpose(1, 2), is_causal=True, scale=self.scale,
+            enable_gqa=True)  # [B, H, T, hd]
+        return out.transpose(1, 2).reshape(b * t, h, d)
+
+
+def dense_forward(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, D], hidden states of B whole sequences entering the layer -> [B, T, D] leaving it."""
+    b, t, d = x.shape
+    attend = CausalAttention(b, t, 1.0 / math.sqrt(layer.ctx.head_dim))
+    hidden, residual = layer(x.reshape(b * t, d), None, torch.arange(t, device=x.device).repeat(b), attend)
+    return (hidden + residual).view(b, t, d)
 
 
 class LlamaModel:
@@ -51,56 +166,27 @@ class LlamaModel:
         """weights: HF names -> tensors, or `QuantizedWeight`s for quantized projections."""
         self.config = config
         self.kernels = get_kernels(device)
+        arch = config.arch
         w = {name: t.to(device) for name, t in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]  # [V, D]
-        self.lm_head = w.get("lm_head.weight", self.embed)  # [V, D]
-        self.final_norm = w["model.norm.weight"]
-        self.layers = [_layer_weights(w, i, config.attention_bias) for i in range(config.num_layers)]
-        self.cos, self.sin = torch_ops.rope_cos_sin(
-            config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self.embed = w[arch.global_name("embed")]  # [V, D]
+        self.lm_head = w.get(arch.global_name("lm_head"), self.embed)  # [V, D]
+        self.final_norm = w[arch.global_name("final_norm")]  # [D]
+        ctx = layer_context(config, self.kernels, device)
+        self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        c = config
-        self._split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [N] -> final hidden states [N, D]; writes the step's KV."""
-        k = self.kernels
+        attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         hidden = F.embedding(input_ids, self.embed)  # [N, D]
-        residual = hidden
-        hidden = k.rms_norm(hidden, self.layers[0].input_norm, self.config.rms_norm_eps)
-        for i, layer in enumerate(self.layers):
-            if i > 0:
-                hidden, residual = k.add_rms_norm(hidden, residual, layer.input_norm, self.config.rms_norm_eps)
-            hidden = self._attention(i, layer, hidden, positions, meta, kv_cache)
-            hidden, residual = k.add_rms_norm(hidden, residual, layer.post_norm, self.config.rms_norm_eps)
-            hidden = layer.down(k.silu_and_mul(layer.gate_up(hidden)))
-        hidden, _ = k.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions, attend)
+        hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, D] -> logits [S, V] in fp32."""
         return F.linear(hidden, self.lm_head).float()
-
-    def _attention(self, i: int, layer: LayerWeights, hidden: torch.Tensor, positions: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        c, k = self.config, self.kernels
-        n = hidden.shape[0]
-        qkv = layer.qkv(hidden)  # [N, (H + 2 KVH) * hd]
-        q, key, value = qkv.split(self._split, dim=-1)
-        q = q.view(n, c.num_heads, c.head_dim)
-        key = key.view(n, c.num_kv_heads, c.head_dim)
-        value = value.view(n, c.num_kv_heads, c.head_dim)
-        q, key = k.apply_rope(q, key, positions, self.cos, self.sin)
-        k.write_kv(kv_cache, i, key, value, meta.slot_mapping)
-        out = torch.empty_like(q)  # [N, H, hd]
-        nd = meta.num_decode_tokens
-        if nd:
-            out[:nd] = k.paged_decode_attention(
-                q[:nd], kv_cache, i, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        for p in meta.prefills:
-            sl = slice(p.query_start, p.query_start + p.query_len)
-            out[sl] = k.prefill_attention(q[sl], kv_cache, i, p.block_table, p.context_len, self.scale)
-        return layer.o(out.view(n, -1))

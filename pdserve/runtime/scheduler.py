@@ -5,6 +5,13 @@ what the budget leaves), then waiting sequences are admitted while blocks, batch
 and budget last. Out of blocks, the newest running sequence is preempted by recompute:
 its blocks are freed and it waits again (its full blocks usually stay cached, so the
 recompute mostly hits the prefix cache).
+
+A waiting sequence holds no blocks. Admitting one allocates all its blocks at once, bringing in
+the KV it carries from elsewhere (`Sequence.external`): the loads go out in the SchedulerOutput
+for the engine to copy before the step runs, the way vLLM's scheduler asks its KV connector for
+external matches and hands it the blocks it allocated. A sequence the cache cannot take yet
+first makes the prefetch holds give way (`PinTable.give_up`): a prompt that runs now beats a
+predicted turn.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.runtime.block_manager import BlockManager
+from pdserve.runtime.block_manager import BlockLoad, BlockManager
 from pdserve.runtime.config import SchedulerConfig
+from pdserve.runtime.pins import PinTable
 from pdserve.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -33,6 +41,8 @@ class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)  # one token each
     prefills: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # newly running this step
+    loads: list[BlockLoad] = field(default_factory=list)  # KV from elsewhere to copy in first
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:
@@ -44,9 +54,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, pins: PinTable | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        self.pins = pins  # holds that give way to an admission short of blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -83,40 +94,20 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._admission_slots(seq, budget)
-            # Only when nothing runs: a running sequence frees its blocks when it ends, and taking
-            # the others' prefixes costs them a recompute whenever the head then evicts them.
-            if n is None and not self.running and self._unpin_waiting(seq):
-                n = self._admission_slots(seq, budget)  # retry with the blocks the others held
-            if n is None:
-                break
+            loads = self.blocks.allocate(seq)
+            if loads is None and self.pins is not None and self.pins.has_holds() and \
+                    self.pins.give_up(self.blocks.shortfall(seq)):
+                loads = self.blocks.allocate(seq)
+            if loads is None:
+                break  # the head waits for blocks; admitting others first could starve it
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            out.admitted.append(seq)
+            out.loads.extend(loads)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             (out.decodes if n == 1 else out.prefills).append(ScheduledSeq(seq, n))
             budget -= n
-
-    def _admission_slots(self, seq: Sequence, budget: int) -> int | None:
-        """Tokens of `seq` this step computes, its blocks taken; None when the cache is short."""
-        if not seq.block_table and not self.blocks.allocate(seq):
-            return None
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
-            return None  # an imported sequence whose next token needs a block we lack
-        return n
-
-    def _unpin_waiting(self, head: Sequence) -> bool:
-        """Releases the blocks that sequences waiting behind `head` hold (prefixes imported when
-        they were added); True if any did. Without this, waiting sequences holding the whole
-        cache with nothing running deadlock the engine. Their blocks stay cached by hash, so
-        `allocate` finds them again when their turn comes (unless evicted by then: recomputed)."""
-        released = False
-        for seq in self.waiting:
-            if seq is head or not seq.block_table:
-                continue
-            self._drop_blocks(seq)
-            released = True
-        return released
 
     def _drop_blocks(self, seq: Sequence) -> None:
         """`seq` gives its blocks back and starts over (what it had cached is found again by hash)."""

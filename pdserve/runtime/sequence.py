@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) of the top alternatives
 
 
+@dataclass(frozen=True, slots=True)
+class ExternalKV:
+    """KV computed elsewhere (a prefill worker, the kvstore, another worker's prefix) that a
+    sequence may use instead of computing it. It travels on the sequence; the scheduler brings
+    it into the paged cache when it admits the sequence (`BlockManager.allocate`), so a waiting
+    sequence holds no blocks. Blocks the cache holds by then are shared instead of copied."""
+
+    blocks: Mapping[bytes, torch.Tensor]  # hash -> block [layers, 2, rows, KVH, D]
+    tail: bytes | None = None  # hash of the prompt's partial last block, when the whole prompt came
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -38,6 +50,7 @@ class Sequence:
     finish_reason: str = ""
     hold_blocks: bool = False  # prefill role: keep the KV after finishing until exported
     resumed_tokens: int = 0  # trailing prompt tokens this request generated before a resume
+    external: ExternalKV | None = None  # KV from elsewhere, until admission takes it in
 
     def generator(self) -> torch.Generator | None:
         """RNG of the next token when seeded: a function of (seed, position) only, so a request

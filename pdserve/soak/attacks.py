@@ -26,8 +26,8 @@ import grpc
 import torch
 
 from pdserve.internal_auth import METADATA_KEY, TOKEN_ENV
-from pdserve.kvwire import BlockSpec, encode_block
-from pdserve.runtime.block_hash import prompt_block_hashes
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.soak.workload import ALL_PROMPTS, LONG_PROMPTS, POISON_PROMPTS, PROMPTS, LoadLog, RequestSpec
 from pdserve.stack import Stack
 from pdserve.v1 import kvstore_pb2
@@ -96,14 +96,14 @@ def prefill_steps(stack: Stack) -> int:
     return total
 
 
-def poison(log: LoadLog, stack: Stack, attacks: AttackLog, tokenizer, spec: BlockSpec, kv_dtype: str) -> None:
+def poison(log: LoadLog, stack: Stack, attacks: AttackLog, tokenizer, spec: KVFormat, kv_dtype: str) -> None:
     """Forge the blocks of the next unused poisoned prompt, then send requests on it."""
     with attacks._lock:
         n = len(attacks.poisoned_prompts)
         prompt = len(PROMPTS) + len(LONG_PROMPTS) + n % len(POISON_PROMPTS)
         attacks.poisoned_prompts.append(prompt)
     ids = tokenizer.encode(ALL_PROMPTS[prompt])
-    hashes = prompt_block_hashes(ids, spec.block_size, spec.fingerprint, kv_dtype)
+    hashes = spec.with_kv_dtype(kv_dtype).full_block_hashes(ids)  # as the stack's workers name them
     stored, present = put_forged(stack, hashes, spec, torch.Generator().manual_seed(n))
     with attacks._lock:
         attacks.forged_stored += stored
@@ -114,7 +114,7 @@ def poison(log: LoadLog, stack: Stack, attacks: AttackLog, tokenizer, spec: Bloc
     _run_all([threading.Thread(target=log.run, args=(s, stub), name=f"soak-poison-{i}") for i, s in enumerate(specs)])
 
 
-def put_forged(stack: Stack, hashes: list[bytes], spec: BlockSpec, gen: torch.Generator) -> tuple[int, int]:
+def put_forged(stack: Stack, hashes: list[bytes], spec: KVFormat, gen: torch.Generator) -> tuple[int, int]:
     """PutBlocks random KV under `hashes`, unpinned, as an insider would: (stored, already present)."""
     def requests():
         for h in hashes:
@@ -125,7 +125,7 @@ def put_forged(stack: Stack, hashes: list[bytes], spec: BlockSpec, gen: torch.Ge
     return reply.stored, reply.already_present
 
 
-def forge_encoding(kv: torch.Tensor, spec: BlockSpec, block_hash: bytes) -> bytes:
+def forge_encoding(kv: torch.Tensor, spec: KVFormat, block_hash: bytes) -> bytes:
     """The wire encoding an insider without the cluster's KV MAC key can make: signed with a key of
     its own guessing where the wire format has a MAC (pdserve.kv_mac), valid in every other field."""
     if "mac_key" in inspect.signature(encode_block).parameters:

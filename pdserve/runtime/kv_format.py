@@ -1,0 +1,105 @@
+"""KVFormat: the one identity and layout of a KV block, shared by every part that names blocks.
+
+A block's identity is its content hash: hash(parent block's hash, the block's tokens, model
+fingerprint, KV storage format), so equal hashes mean equal KV (pdserve.runtime.block_hash). Its
+layout is `[num_layers, 2, rows, num_kv_heads, head_dim]` (rows = block_size, one more for the
+scale row of int8 / fp8). The gateway hashes prompts with it to look prefixes up, the workers and
+`BlockManager` hash what they compute, `kvwire` checks a block's header against it.
+
+The rule "the block holding the last token is always computed" lives here too
+(`reusable_blocks`): that token's logits pick the next token, so its KV is never taken from a
+cache, whoever computed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.runtime.block_hash import block_hash, prompt_block_hashes
+from pdserve.runtime.kv_cache import KV_DTYPES, cache_rows, dtype_of, format_name
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """What a block is made of and how it is named: the model that made it and the cache layout."""
+
+    fingerprint: str  # 32 hex chars identifying the model weights, config and compute dtype
+    dtype: torch.dtype  # storage dtype of the cache (one of kv_cache.KV_DTYPES' values)
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # token slots per block
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES.values():
+            raise ValueError(f"unsupported KV dtype {self.dtype} (supported: {', '.join(KV_DTYPES)})")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @classmethod
+    def named(cls, fingerprint: str, kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
+              block_size: int) -> "KVFormat":
+        """The format with the --kv-dtype name `kv_dtype`."""
+        return cls(fingerprint, dtype_of(kv_dtype), num_layers, num_kv_heads, head_dim, block_size)
+
+    # ---- layout ---------------------------------------------------------------------------
+    @property
+    def kv_dtype(self) -> str:
+        """The --kv-dtype name, part of every block hash."""
+        return format_name(self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """[layers, 2, rows, KVH, D]: rows = block_size, + 1 scale row for int8 / fp8."""
+        return (self.num_layers, 2, cache_rows(self.block_size, self.dtype), self.num_kv_heads, self.head_dim)
+
+    @property
+    def payload_bytes(self) -> int:
+        count = 1
+        for n in self.shape:
+            count *= n
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+    def with_kv_dtype(self, name: str) -> "KVFormat":
+        return dataclasses.replace(self, dtype=dtype_of(name))
+
+    # ---- counting -------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def reusable_blocks(self, num_tokens: int) -> int:
+        """Leading full blocks of a sequence of `num_tokens` whose KV may come from a cache: all
+        but the block of the last token, whose logits pick the next token."""
+        return max(num_tokens - 1, 0) // self.block_size
+
+    # ---- naming ---------------------------------------------------------------------------
+    def block_hash(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+        return block_hash(parent, token_ids, self.fingerprint, self.kv_dtype)
+
+    def full_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of every full block of `token_ids`, in order."""
+        return prompt_block_hashes(token_ids, self.block_size, self.fingerprint, self.kv_dtype)
+
+    def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of every block of `token_ids`, the partial tail (named by its own tokens) last."""
+        return prompt_block_hashes(token_ids, self.block_size, self.fingerprint, self.kv_dtype,
+                                   include_partial=True)
+
+    def reusable_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of the leading full blocks a cache may supply (`reusable_blocks`)."""
+        return self.full_block_hashes(token_ids)[:self.reusable_blocks(len(token_ids))]
+
+    def kv_dtype_of(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> str | None:
+        """The --kv-dtype under which `hashes` are the prompt's block hashes (this format's own
+        first), or None when they are not (another model or block size)."""
+        hashes = list(hashes)
+        for name in (self.kv_dtype, *(n for n in KV_DTYPES if n != self.kv_dtype)):
+            if prompt_block_hashes(token_ids, self.block_size, self.fingerprint, name,
+                                   include_partial=True) == hashes:
+                return name
+        return None

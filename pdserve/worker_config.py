@@ -1,0 +1,81 @@
+"""WorkerConfig: every setting of a prefill or decode worker besides its engine's, built once.
+
+`pdserve prefill` / `pdserve decode` build it in `worker_common.run_worker` from the flags and the
+environment (`WorkerConfig.from_args`) and put it on the `Worker` (`worker.config`), which is
+how the servicers and the parts they build get their settings. The engine's own settings stay in
+`pdserve.runtime.config.EngineConfig` (built from the same flags by `pdserve.engine_args`).
+
+Flags: `add_arguments` adds the ones derived from the fields below; bind, kvstore, worker id and
+batch window are declared by `pdserve.engine_args.add_worker_args` with the engine's flags (they
+predate this class, and `pdserve up`, compose and k8s pass them) and read from the parsed flags
+like the rest. Environment variables keep their names (PDSERVE_KV_WRITE_BACK, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pdserve import kv_mac
+from pdserve.config_flags import LOG_LEVEL_ENV, add_flags, build, check_log_level, nested, setting
+from pdserve.grpc_server import ProcessConfig
+
+WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generated blocks off
+RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
+# Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
+ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
+DECODE_ONLY = ("kv_write_back", "residency_interval_s")  # settings a prefill worker has no use for
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A prefill or decode worker's settings; each field's text is its --help."""
+
+    # Declared by pdserve.engine_args.add_worker_args (external): defaults there, read here.
+    bind: str = setting("127.0.0.1:0", "host:port to serve gRPC on", external=True)
+    kvstore: str = setting("127.0.0.1:50070", "host:port of the KV store service", external=True)
+    worker_id: str = setting("", "name in stats and logs (empty: host:port)", external=True)
+    batch_window_s: float = setting(0.002, "after an idle spell, wait this long for more requests before the "
+                                    "first step", flag="--batch-window-ms", scale=1e3, external=True)
+
+    kv_write_back: bool = setting(True, "decode: write each block a sequence fills back to the kvstore "
+                                  "(unpinned), so a resume elsewhere or the next turn finds it by prefix",
+                                  env=WRITE_BACK_ENV)
+    residency_interval_s: float = setting(1.0, "decode: seconds between reports of the paged cache's blocks "
+                                          "to the kvstore's residency index (the gateway routes by it)",
+                                          env=RESIDENCY_INTERVAL_ENV, metavar="S")
+    # Environment only: a test hook has no business in --help.
+    engine_fault_after_steps: int = setting(0, "tests only: the engine fails its step after this many steps "
+                                            "(0: never)", flag=None, env=ENGINE_FAULT_ENV)
+    # Environment only: a secret never goes on a command line (ps shows those to every user).
+    kv_mac_key: bytes = setting(b"", "the cluster KV MAC key (PDSERVE_KV_MAC_KEY or PDSERVE_KV_MAC_KEY_FILE; "
+                                "empty: blocks go unsigned and are read unchecked)", flag=None,
+                                load=kv_mac.key_from_env, repr=False)
+    log_level: str = setting("INFO", "logging level", env=LOG_LEVEL_ENV, metavar="LEVEL")
+    process: ProcessConfig = nested(ProcessConfig, "TLS, internal token, tracing and /metrics")
+
+    def __post_init__(self) -> None:
+        if not self.batch_window_s >= 0:  # also refuses NaN
+            raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_s * 1e3:g}")
+        if not self.residency_interval_s > 0:
+            raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
+                             f"got {self.residency_interval_s:g}")
+        if self.engine_fault_after_steps < 0:
+            raise ValueError(f"{ENGINE_FAULT_ENV} must be a whole number of engine steps (0: never), "
+                             f"got {self.engine_fault_after_steps}")
+        kv_mac.check_key(self.kv_mac_key)
+        check_log_level(self.log_level)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> WorkerConfig:
+        """The config of parsed worker flags and the environment `env` (the main passes the process
+        environment); ValueError naming the flag or variable when a value is bad."""
+        return build(cls, args, env)
+
+
+def add_arguments(parser: argparse.ArgumentParser, decode: bool = True) -> None:
+    """The flags derived from WorkerConfig (those of engine_args.add_worker_args aside); a prefill
+    worker (`decode` False) gets none of the decode-only ones."""
+    add_flags(parser, WorkerConfig, skip=() if decode else DECODE_ONLY)
+
