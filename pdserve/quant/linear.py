@@ -5,6 +5,8 @@
   torch runs on); memory stays packed (bits/8 bytes per weight plus scales and zeros). On a CUDA
   device with cupy, calls of up to `cuda_quant.MAX_ROWS` rows (decode) run the W8A16 / W4A16 kernel
   instead, which reads the packed words directly; more rows dequantize once and run a GEMM.
+- Int4Linear (pdserve.quant.int4_cpu): 4-bit codes packed for torch's CPU int4 kernel
+  (`--weight-format int4`).
 - ConcatLinear: parts whose outputs are concatenated, for fused q/k/v or gate/up that cannot be
   merged into one matrix (different g_idx, or dense next to quantized).
 """
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.quant.gptq_format import QuantizedWeight
+from pdserve.quant.int4_cpu import Int4Codes, Int4Linear
 from pdserve.quant.packing import per_word
 
 
@@ -124,10 +127,12 @@ class ConcatLinear:
         return sum(p.nbytes for p in self.parts)
 
 
-WeightLike = torch.Tensor | QuantizedWeight
+WeightLike = torch.Tensor | QuantizedWeight | Int4Codes
 
 
 def as_linear(weight: WeightLike, bias: torch.Tensor | None = None) -> Linear:
+    if isinstance(weight, Int4Codes):
+        return Int4Linear(weight, bias)
     return QuantLinear.of([weight], bias) if isinstance(weight, QuantizedWeight) else DenseLinear(weight, bias)
 
 
@@ -144,6 +149,8 @@ def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] |
         return DenseLinear(torch.cat(list(weights), dim=0).contiguous(), bias)
     if all(isinstance(w, QuantizedWeight) for w in weights) and _same_layout(weights):
         return QuantLinear.of(weights, bias)
+    if all(isinstance(w, Int4Codes) for w in weights):
+        return Int4Linear.fused(weights, bias)
     parts = []
     for j, w in enumerate(weights):
         parts.append(as_linear(w, None if biases is None else biases[j]))

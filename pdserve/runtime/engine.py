@@ -121,12 +121,20 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}  # queued or running
         self.held: dict[str, Sequence] = {}  # finished, KV kept until exported and released
         self.stats = EngineStats(batch_size_counts={})
+        self.weight_format = "dense"  # what the projections are ("int4": packed; set by from_checkpoint)
         self.keep_logits = False  # tests and debugging: keep the last step's logits
         self.last_logits: torch.Tensor | None = None  # [S, V], rows in the order of step()'s outputs
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None) -> "Engine":
-        return cls(checkpoint.config, checkpoint.weights, checkpoint.fingerprint, config)
+    def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None, fingerprint: str | None = None) -> "Engine":
+        """An engine on `checkpoint`'s weights, its projections packed as `config.weight_format` says."""
+        from pdserve.quant.int4_cpu import weights_for
+
+        config = config or EngineConfig()
+        weights, weight_format = weights_for(checkpoint, config)
+        engine = cls(checkpoint.config, weights, fingerprint or checkpoint.fingerprint, config)
+        engine.weight_format = weight_format
+        return engine
 
     # ---- requests -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -8,19 +8,43 @@ and read through `kv_quant`; float caches take the direct path below, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from pdserve.runtime.kernels import kv_quant
 from pdserve.runtime.kv_cache import block_size_of, is_scaled
 
+# Every layer of one step passes the same step tensors (positions, slot mapping, block tables,
+# context lengths) and derives the same values from them: RoPE rows, block ids and offsets, the
+# attention mask. 30 layers x a few small ops each is a real share of a decode step on a CPU, so
+# the last derivation per kind is kept, keyed by the very tensor objects it came from (held, so
+# their ids cannot be reused; a new step brings new objects, so nothing stale is ever returned).
+_step_memo: dict[str, tuple[tuple[Any, ...], Any]] = {}
+
+
+def _per_step(kind: str, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    """`compute()`, or what it gave for the same `key` last time (its tensors compared by identity).
+    CPU only: a GPU step may refill static buffers in place (CUDA graphs), so it never reuses."""
+    if key[0].device.type != "cpu":
+        return compute()
+    entry = _step_memo.get(kind)
+    if entry is not None and len(entry[0]) == len(key) and all(a is b or (type(a) is not torch.Tensor and a == b)
+                                                               for a, b in zip(entry[0], key)):
+        return entry[1]
+    value = compute()
+    _step_memo[kind] = (key, value)
+    return value
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [N, hidden] -> [N, hidden]; one fused op (fp32 math as the reference does)."""
+    """x: [N, hidden] -> [N, hidden]; one fused op (fp32 math as the reference does: normalized in
+    fp32, rounded to x's dtype, then scaled by the weight in that dtype, like transformers)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def add_rms_norm(
@@ -49,8 +73,8 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [N, H, D], k: [N, KVH, D], positions: [N] -> rotated (q, k)."""
-    c = cos[positions].unsqueeze(1).to(q.dtype)  # [N, 1, D]
-    s = sin[positions].unsqueeze(1).to(q.dtype)
+    c, s = _per_step("rope", (positions, cos, sin, q.dtype), lambda: (
+        cos[positions].unsqueeze(1).to(q.dtype), sin[positions].unsqueeze(1).to(q.dtype)))  # [N, 1, D] each
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
@@ -67,9 +91,9 @@ def write_kv(
     if is_scaled(kv_cache.dtype):
         kv_quant.write_kv(kv_cache, layer, k, v, slot_mapping)
         return
-    num_blocks, _, _, block_size = kv_cache.shape[:4]
-    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
+    block_size = kv_cache.shape[3]
+    block_ids, offsets = _per_step("slots", (slot_mapping, block_size), lambda: (
+        torch.div(slot_mapping, block_size, rounding_mode="floor"), slot_mapping % block_size))
     kv_cache[block_ids, layer, 0, offsets] = k.to(kv_cache.dtype)
     kv_cache[block_ids, layer, 1, offsets] = v.to(kv_cache.dtype)
 
@@ -109,9 +133,7 @@ def paged_decode_attention(
     kvh = kv_cache.shape[4]
     k, v = _gather_kv(kv_cache, layer, block_tables)  # [B, T, KVH, D]
     t = k.shape[1]
-    invalid = torch.arange(t, device=q.device)[None, :] >= context_lens[:, None]  # [B, T]
-    bias = torch.zeros(b, 1, 1, t, dtype=q.dtype, device=q.device).masked_fill_(
-        invalid[:, None, None, :], float("-inf"))
+    bias = _per_step("decode_mask", (context_lens, t, q.dtype), lambda: _decode_bias(context_lens, t, q.dtype))
     # The H / KVH query heads sharing a kv head are SDPA's "query length": no KV expansion.
     out = F.scaled_dot_product_attention(
         q.view(b, kvh, h // kvh, d),  # [B, KVH, G, D]
@@ -119,6 +141,13 @@ def paged_decode_attention(
         v.transpose(1, 2).to(q.dtype),
         attn_mask=bias, scale=scale)
     return out.reshape(b, h, d)
+
+
+def _decode_bias(context_lens: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, T]: 0 over each sequence's context, -inf over the padding after it."""
+    invalid = torch.arange(t, device=context_lens.device)[None, :] >= context_lens[:, None]  # [B, T]
+    return torch.zeros(len(context_lens), 1, 1, t, dtype=dtype, device=context_lens.device).masked_fill_(
+        invalid[:, None, None, :], float("-inf"))
 
 
 def prefill_attention(
@@ -138,9 +167,14 @@ def prefill_attention(
     num_blocks = -(-context_len // block_size_of(kv_cache))
     k, v = _gather_kv(kv_cache, layer, block_table[:num_blocks])  # [T', KVH, D]
     k, v = k[:context_len].transpose(0, 1), v[:context_len].transpose(0, 1)  # [KVH, T, D]
-    q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
-    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos  # [n, T]
+    mask = _per_step("prefill_mask", (block_table, n, context_len), lambda: _causal_mask(n, context_len, q.device))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
     )  # [H, n, D]
     return out.transpose(0, 1)
+
+
+def _causal_mask(n: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """[n, T]: the last n positions of a context of T tokens each see themselves and before."""
+    q_pos = torch.arange(context_len - n, context_len, device=device)[:, None]
+    return torch.arange(context_len, device=device)[None, :] <= q_pos

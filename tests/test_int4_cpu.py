@@ -1,0 +1,129 @@
+"""4-bit packed weights on the CPU (pdserve.quant.int4_cpu): the GGUF's own Q4 codes read exactly
+(against the gguf package's dequantizer), the packed matmul against the dense matmul of the same
+dequantized weight, and an engine on SmolLM2's Q4_1 codes against the dense bf16 engine."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize, quantize
+
+from conftest import STORIES_GGUF, smollm2_path
+from pdserve.quant.int4_cpu import Int4Linear, codes_of_gguf_blocks, quantize_rtn, weights_for
+from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
+from pdserve.runtime.engine import Engine
+from pdserve.runtime.sampling_params import SamplingParams
+
+Q4 = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+
+
+@pytest.mark.parametrize("qtype", Q4, ids=lambda t: t.name)
+def test_codes_of_gguf_blocks_dequantize_exactly_as_gguf_does(qtype):
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    raw = quantize(w, qtype)
+    codes = codes_of_gguf_blocks(raw, int(qtype), (48, 96))
+    assert codes.codes.dtype == torch.uint8 and int(codes.codes.max()) <= 15
+    assert torch.equal(codes.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
+
+
+def test_other_types_have_no_codes():
+    raw = quantize(np.ones((4, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    assert codes_of_gguf_blocks(raw, int(gguf.GGMLQuantizationType.Q8_0), (4, 32)) is None
+
+
+def test_rtn_keeps_each_groups_extremes_and_stays_within_half_a_step():
+    w = torch.randn(16, 64)
+    codes = quantize_rtn(w)
+    groups = w.view(16, 2, 32)
+    err = (codes.dequantize().view(16, 2, 32) - groups).abs()
+    assert (err <= codes.scale[..., None] / 2 + 1e-6).all()
+    back = codes.dequantize().view(16, 2, 32)
+    assert torch.allclose(back.amin(-1), groups.amin(-1), atol=1e-5)
+    assert torch.allclose(back.amax(-1), groups.amax(-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 256])  # 256: past DENSE_FROM_ROWS, dequantized then dense
+def test_packed_matmul_equals_the_dense_matmul_of_the_dequantized_weight(rows):
+    gen = torch.Generator().manual_seed(rows)
+    q, k = quantize_rtn(torch.randn(96, 64, generator=gen)), quantize_rtn(torch.randn(32, 64, generator=gen))
+    bias = torch.randn(128, generator=gen)
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    fused = Int4Linear.fused([q, k], bias)
+    want = F.linear(x.float(), torch.cat([q.dequantize(), k.dequantize()]), bias)  # fp32 reference
+    got = fused(x).float()
+    # bf16 output and bf16 scales: within a few bf16 ulps of the largest output
+    assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
+    assert torch.equal(fused(x)[:, :96], Int4Linear(q, bias[:96])(x))  # fused = separate, bit for bit
+    assert fused.nbytes < 0.7 * 128 * 64 * 2  # two packings of 4-bit codes: about half the bf16 matrix
+
+
+def test_both_paths_dequantize_to_the_same_weight():
+    codes = quantize_rtn(torch.randn(64, 96))
+    lin = Int4Linear(codes)
+    eye = torch.eye(96).bfloat16()
+    via_kernel = torch._weight_int4pack_mm_for_cpu(eye, lin.packed, 32, lin.scales_and_zeros).t()  # [64, 96]
+    assert torch.equal(lin.dequantized(), via_kernel)  # the kernel's weight is ours, bit for bit
+    assert (lin.dequantized().float() - codes.dequantize()).abs().max() <= 2 ** -7 * codes.dequantize().abs().max()
+
+
+def test_int4_needs_reduced_precision_on_the_cpu():
+    with pytest.raises(ConfigError, match="--weight-format int4 runs on the CPU with --dtype bfloat16"):
+        EngineConfig(weight_format="int4", dtype="float32")
+    assert EngineConfig(weight_format="auto", dtype="float32").weight_format == "auto"  # auto never refuses
+
+
+# ---- SmolLM2-135M-Instruct (its projections are Q4_1 in the GGUF) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    from pdserve.runtime.loader import load_checkpoint
+
+    return load_checkpoint(smollm2_path(), dtype=torch.bfloat16)
+
+
+def _engine(checkpoint, weight_format: str) -> Engine:
+    return Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=64, dtype="bfloat16"),
+                                                           dtype="bfloat16", weight_format=weight_format))
+
+
+def test_auto_takes_the_files_codes_in_bf16_and_dense_in_float32(smollm2_bf16):
+    assert _engine(smollm2_bf16, "auto").weight_format == "int4"
+    config = EngineConfig(cache=CacheConfig(num_blocks=8), dtype="float32", weight_format="auto")
+    assert weights_for(smollm2_bf16, config)[1] == "dense"
+    from pdserve.runtime.loader import load_checkpoint
+
+    stories = load_checkpoint(STORIES_GGUF, dtype=torch.bfloat16)  # float32 tensors in the file: no codes
+    assert weights_for(stories, EngineConfig(dtype="bfloat16", weight_format="auto"))[1] == "dense"
+
+
+def test_int4_model_follows_the_dense_model_on_the_same_codes(smollm2_bf16):
+    """The packed model runs the file's Q4_1 codes; the dense one the same codes dequantized to bf16.
+    Their only difference is rounding (bf16 weights vs bf16 scales): teacher-forced over a chat
+    answer they pick the same next token almost everywhere, and the greedy answer starts alike."""
+    from pdserve.commands.quant_eval import kl_and_top1, sequence_logits
+    from pdserve.runtime.model import LlamaModel
+
+    ck = smollm2_bf16
+    ids = ck.tokenizer.encode("The capital of France is Paris. The capital of Italy is Rome. Water boils at 100 "
+                              "degrees Celsius at sea level, and the largest planet in our solar system is")
+    config = EngineConfig(cache=CacheConfig(num_blocks=64, dtype="bfloat16"), dtype="bfloat16", weight_format="int4")
+    dense = sequence_logits(LlamaModel(ck.config, ck.weights), ids, kv_dtype="bfloat16")
+    packed = sequence_logits(LlamaModel(ck.config, weights_for(ck, config)[0]), ids, kv_dtype="bfloat16")
+    kl, top1 = kl_and_top1([dense], [packed])
+    assert top1 >= 0.9 and kl < 0.05, (top1, kl)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert _engine(ck, "int4").generate([ids], greedy)[0].output_ids[:3] == \
+        _engine(ck, "dense").generate([ids], greedy)[0].output_ids[:3]
+
+
+def test_int4_batched_equals_unbatched(smollm2_bf16):
+    engine = _engine(smollm2_bf16, "int4")
+    tok = smollm2_bf16.tokenizer
+    prompts = [tok.encode(p) for p in ("Write a haiku about the sea.", "What is 2 + 2?", "Name three colours:")]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [engine.generate([p], greedy)[0].output_ids for p in prompts]
+    assert [s.output_ids for s in engine.generate(prompts, greedy)] == alone
