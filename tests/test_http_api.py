@@ -55,6 +55,42 @@ def grpc_generate(stack, prompt: str, max_tokens: int, **sampling) -> tuple[str,
     return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].usage
 
 
+def test_bench_openai_backend_measures_this_api_like_the_grpc_one(stack):
+    """`pdserve bench --openai-url`'s client against this HTTP API: every request completes with
+    exactly its token count (the final usage corrects the per-chunk count) and the same text as
+    the gRPC API's greedy run of the same prompt."""
+    import asyncio
+
+    from pdserve.bench import workloads
+    from pdserve.bench.client import run_workload
+    from pdserve.bench.openai_client import OpenAICompletions
+
+    convs = [workloads.Conversation(f"c{i}", (workloads.Turn(p, 12),)) for i, p in enumerate(PROMPTS)]
+
+    async def run():
+        backend = OpenAICompletions(stack.http_url, timeout_s=60)  # the model id from GET /v1/models
+        try:
+            return await run_workload(backend, convs, [0.0] * len(convs), max_concurrency=2)
+        finally:
+            await backend.close()
+    records = {r.conversation: r for r in asyncio.run(run()).records}
+    for i, prompt in enumerate(PROMPTS):
+        r = records[f"c{i}"]
+        text, ids, usage = grpc_generate(stack, prompt, 12, temperature=0, ignore_eos=True)
+        assert r.ok, r.error
+        assert (r.text, r.output_tokens, r.prompt_tokens) == (text, 12, usage.prompt_tokens)
+        assert r.ttft is not None and r.latency >= r.ttft and len(r.itl) >= 1
+
+    async def wrong_model():
+        backend = OpenAICompletions(stack.http_url, model="no-such-model", timeout_s=60)
+        try:
+            return await run_workload(backend, convs[:1], [0.0])
+        finally:
+            await backend.close()
+    [failed] = asyncio.run(wrong_model()).records
+    assert failed.status.startswith("HTTP_4") and "no-such-model" in failed.error
+
+
 # ---- answers equal the gRPC API's ------------------------------------------------------------
 
 def test_chat_whole_and_streamed_equal_grpc(stack, client):

@@ -26,6 +26,7 @@ class Chunk:
     num_tokens: int
     text: str
     prompt_tokens: int | None = None  # from the last chunk's usage
+    completion_tokens: int | None = None  # the server's own total, when it says (overrides the count)
 
 
 @dataclass(slots=True)
@@ -94,6 +95,9 @@ def status_of(exc: BaseException) -> tuple[str, str]:
         return exc.code().name, exc.details() or ""
     if isinstance(exc, asyncio.TimeoutError):
         return "DEADLINE_EXCEEDED", "client timeout"
+    status = getattr(exc, "status", None)  # an HTTP backend's error (pdserve.bench.openai_client)
+    if isinstance(status, int):
+        return f"HTTP_{status}", str(exc)
     return type(exc).__name__, str(exc)
 
 
@@ -116,6 +120,8 @@ async def time_request(backend: Backend, prompt: str, max_tokens: int, session_i
                     record.itl.append(now - last_token_at)
                 last_token_at = now
                 record.output_tokens += chunk.num_tokens
+            if chunk.completion_tokens is not None:
+                record.output_tokens = chunk.completion_tokens
         record.latency = clock() - sent
     except Exception as exc:  # noqa: BLE001 - every failure is a result, counted by status
         record.status, record.error = status_of(exc)

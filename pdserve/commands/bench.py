@@ -3,6 +3,10 @@
     pdserve bench --server 127.0.0.1:50051 --workload random --num-requests 200 --request-rate 8
     pdserve bench --start-stack --workload sessions --turns 4 --sweep 2,4,8,inf --baseline hf \
         --json out.json --plot out.png
+    pdserve bench --openai-url http://127.0.0.1:8080 --model MODEL.gguf --max-concurrency 8
+
+--openai-url drives any OpenAI-compatible server (llama.cpp server, vLLM, SGLang, pdserve's HTTP
+API) through streaming /v1/completions with the same workload (pdserve.bench.openai_client).
 
 Workloads (pdserve.bench.workloads): random, shared-prefix, sessions, file (ShareGPT JSON).
 Arrivals: Poisson at --request-rate (gamma with --burstiness), or everything at once (rate inf)
@@ -30,6 +34,12 @@ HELP = "benchmark a running gateway: throughput, TTFT/TPOT/ITL/e2e percentiles, 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("target")
     target.add_argument("--server", default=None, metavar="HOST:PORT", help="the gateway's gRPC address")
+    target.add_argument("--openai-url", default=None, metavar="URL",
+                        help="instead: any OpenAI-compatible server (llama.cpp server, vLLM, pdserve's HTTP API), "
+                             "through streaming /v1/completions")
+    target.add_argument("--openai-model", default="", help="with --openai-url: the model id to send "
+                                                           "(default: the first of GET /v1/models)")
+    target.add_argument("--openai-api-key", default="", help="with --openai-url: a bearer token, if it wants one")
     target.add_argument("--start-stack", action="store_true",
                         help="without --server: start kvstore, prefill, decode and gateway here for the run")
     target.add_argument("--prefill", type=int, default=1, help="prefill workers of --start-stack")
@@ -95,12 +105,12 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.bench import arrivals, report, workloads
-    from pdserve.bench.client import GrpcGateway, RunResult, run_workload
+    from pdserve.bench.client import RunResult, run_workload
     from pdserve.bench.progress import ProgressBar
     from pdserve.runtime.loader import load_checkpoint, resolve_model_path
 
-    if args.server is None and not args.start_stack:
-        raise ValueError("give --server HOST:PORT (a running gateway) or --start-stack")
+    if args.server is None and args.openai_url is None and not args.start_stack:
+        raise ValueError("give --server HOST:PORT (a running gateway), --openai-url URL or --start-stack")
     rates = arrivals.parse_rates(args.sweep) if args.sweep else [args.request_rate]
     checkpoint = load_checkpoint(resolve_model_path(args.model))
     spec = workloads.WorkloadSpec(
@@ -112,7 +122,7 @@ def _run(args: argparse.Namespace) -> int:
 
     stack = None
     address = args.server
-    if address is None:
+    if address is None and args.openai_url is None:
         from pdserve.stack import start_stack
 
         print(f"pdserve bench: starting a stack ({args.prefill} prefill, {args.decode} decode)", file=sys.stderr)
@@ -123,11 +133,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         for i, rate in enumerate(rates):
             offsets = arrivals.start_offsets(len(conversations), rate, args.burstiness, args.seed)
-            label = "pdserve" if len(rates) == 1 else f"pdserve@{rate:g}"
+            name = "pdserve" if args.openai_url is None else "openai"
+            label = name if len(rates) == 1 else f"{name}@{rate:g}"
             progress = ProgressBar(total, label, enabled=not args.no_progress)
 
             async def one_run() -> RunResult:
-                backend = GrpcGateway(address, args.timeout_s)
+                backend = _backend(args, address)
                 try:
                     if args.warmup:
                         warm = workloads.build(workloads.WorkloadSpec(
@@ -175,6 +186,17 @@ def _run(args: argparse.Namespace) -> int:
         plot(args.plot, runs, summaries, baseline, base_summary,
              title=f"pdserve bench: {args.workload}, {total} requests")
     return 0 if any(s["completed"] for s in summaries) else 1
+
+
+def _backend(args: argparse.Namespace, address: str | None):
+    """The target: an OpenAI-compatible server over HTTP, else the gateway's gRPC API."""
+    if args.openai_url:
+        from pdserve.bench.openai_client import OpenAICompletions
+
+        return OpenAICompletions(args.openai_url, args.openai_model, args.timeout_s, args.openai_api_key)
+    from pdserve.bench.client import GrpcGateway
+
+    return GrpcGateway(address, args.timeout_s)
 
 
 def _jsonable(value):
