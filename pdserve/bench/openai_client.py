@@ -38,7 +38,10 @@ class OpenAICompletions:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # made inside the running loop, as aiohttp wants
-            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers)
+            # A connection per request: servers close idle keep-alive connections at will (llama.cpp
+            # server does), and a request sent on one they just closed fails for no fault of theirs.
+            self._session = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers,
+                                                  connector=aiohttp.TCPConnector(force_close=True))
         return self._session
 
     async def served_model(self) -> str:
