@@ -17,7 +17,6 @@ settings are flat fields (`breaker` and `retry_budget` make their configs).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.breaker import BreakerConfig
@@ -26,7 +25,7 @@ from gateway.disagg import DEFAULT_POLICY, POLICIES, DisaggConfig
 from gateway.request_limits import RequestLimits
 from gateway.retry import RetryBudgetConfig
 from gateway.slo import SloConfig
-from pdserve.config_flags import LOG_LEVEL_ENV, add_flags, build, check_log_level, nested, setting
+from pdserve.config_flags import LOG_LEVEL_ENV, FromFlags, add_flags, check_log_level, nested, setting
 from pdserve.grpc_server import ProcessConfig
 from pdserve.runtime.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, CacheConfig
 
@@ -37,7 +36,7 @@ _BREAKER, _RETRY = BreakerConfig(), RetryBudgetConfig()  # their defaults are th
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
+class GatewayConfig(FromFlags):
     """The gateway's settings; each field's text is its flag's --help (module docstring)."""
 
     # ---- what it listens on and what it serves
@@ -155,12 +154,6 @@ class GatewayConfig:
             raise ValueError(f"--retry-window-s (PDSERVE_RETRY_WINDOW_S) must be > 0 seconds, "
                              f"got {self.retry_window_s:g}")
         check_log_level(self.log_level)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> GatewayConfig:
-        """The config of parsed `add_arguments` flags and the environment `env` (the main passes
-        the process environment); ValueError naming the flag or variable when a value is bad."""
-        return build(cls, args, env)
 
     @property
     def breaker(self) -> BreakerConfig:

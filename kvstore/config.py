@@ -10,10 +10,9 @@ defaults as the command: one default per setting, here.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pdserve.config_flags import LOG_LEVEL_ENV, add_flags, build, check_log_level, nested, setting
+from pdserve.config_flags import LOG_LEVEL_ENV, FromFlags, add_flags, check_log_level, nested, setting
 from pdserve.grpc_server import ProcessConfig
 
 DEFAULT_BIND = "127.0.0.1:50070"  # loopback unless told otherwise: the store trusts its writers
@@ -30,7 +29,7 @@ def parse_backend(backend: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class KVStoreConfig:
+class KVStoreConfig(FromFlags):
     """The kvstore's settings: where it listens, the memory tier, leases, the Redis tier; each
     field's text is its flag's --help."""
 
@@ -61,12 +60,6 @@ class KVStoreConfig:
         if not self.backend_timeout_s > 0:
             raise ValueError(f"--backend-timeout-ms must be positive, got {self.backend_timeout_s * 1e3:g}")
         check_log_level(self.log_level)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> KVStoreConfig:
-        """The config of parsed `add_arguments` flags and the environment `env` (the main passes
-        the process environment); ValueError naming the flag or variable when a value is bad."""
-        return build(cls, args, env)
 
     @property
     def redis_url(self) -> str:

@@ -233,6 +233,18 @@ def build(cls: type, args: argparse.Namespace | None, env: Mapping[str, str]) ->
     return cls(**values)
 
 
+class FromFlags:
+    """Base of a service's config dataclass whose fields are `setting`s: its one builder."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | None, env: Mapping[str, str]) -> Any:
+        """The config of parsed flags and the environment `env` (a service's main passes the process
+        environment); ValueError naming the flag or variable when a value is bad."""
+        return build(cls, args, env)
+
+
 def _mark(namespace: argparse.Namespace, dest: str) -> None:
     given = getattr(namespace, GIVEN_ATTR, None)
     if given is None:

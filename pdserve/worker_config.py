@@ -14,11 +14,10 @@ like the rest. Environment variables keep their names (PDSERVE_KV_WRITE_BACK, ..
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdserve import kv_mac
-from pdserve.config_flags import LOG_LEVEL_ENV, add_flags, build, check_log_level, nested, setting
+from pdserve.config_flags import LOG_LEVEL_ENV, FromFlags, add_flags, check_log_level, nested, setting
 from pdserve.grpc_server import ProcessConfig
 
 WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generated blocks off
@@ -29,7 +28,7 @@ DECODE_ONLY = ("kv_write_back", "residency_interval_s")  # settings a prefill wo
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerConfig:
+class WorkerConfig(FromFlags):
     """A prefill or decode worker's settings; each field's text is its --help."""
 
     # Declared by pdserve.engine_args.add_worker_args (external): defaults there, read here.
@@ -66,12 +65,6 @@ class WorkerConfig:
                              f"got {self.engine_fault_after_steps}")
         kv_mac.check_key(self.kv_mac_key)
         check_log_level(self.log_level)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> WorkerConfig:
-        """The config of parsed worker flags and the environment `env` (the main passes the process
-        environment); ValueError naming the flag or variable when a value is bad."""
-        return build(cls, args, env)
 
 
 def add_arguments(parser: argparse.ArgumentParser, decode: bool = True) -> None:

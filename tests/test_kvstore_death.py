@@ -23,6 +23,7 @@ from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2, kvstore_pb2
 from redis_fixture import redis_server_module  # noqa: F401
+from waiting import wait_until
 
 PROMPTS = (
     "Once upon a time, in a small town, there lived a kind old man who",
@@ -93,19 +94,14 @@ def _stored_prefix(stack, hashes: list[bytes]) -> int:
 
 def _await(condition, what: str, deadline_s: float = DEADLINE_S) -> None:
     """Poll `condition()` until it holds; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {deadline_s:g} s"
-        time.sleep(0.05)
+    assert wait_until(condition, deadline_s), f"{what}: not within {deadline_s:g} s"
 
 
 def _await_stored(stack, hashes: list[bytes]) -> int:
     """Leading blocks of `hashes` the store holds, once all are there or at the deadline (the
     write-back and Redis write-through run in the background)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while (found := _stored_prefix(stack, hashes)) < len(hashes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return found
+    wait_until(lambda: _stored_prefix(stack, hashes) >= len(hashes), DEADLINE_S)
+    return _stored_prefix(stack, hashes)
 
 
 def _stored_hashes(stack, checkpoint, reference) -> list[bytes]:

@@ -30,6 +30,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import STORIES_GGUF
+from waiting import wait_until
 from decode.service import DecodeServicer
 from kvstore.client import KVStoreClient
 from kvstore.server import serve
@@ -364,10 +365,8 @@ def _prefill_call(stub, rid: str) -> worker_pb2.PrefillResponse:
 
 
 def _wait_status(address: str, status: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (seen := check(address)) != status:
-        assert time.monotonic() < deadline, f"{address} still {seen}, not {status}, after {timeout_s} s"
-        time.sleep(0.05)
+    assert wait_until(lambda: check(address) == status, timeout_s), \
+        f"{address} still {check(address)}, not {status}, after {timeout_s} s"
 
 
 def test_a_retry_arriving_while_a_cancelled_run_cleans_up_runs_anew():

@@ -165,7 +165,9 @@ if mode == "pipe":
     sup, started = Supervisor(grace_s=1), []
     t = threading.Thread(target=lambda: started.append(sup.start(ChildSpec("c", "-", (sys.executable, "-c", child_code)))))
     t.start(); t.join()
-    while "armed" not in started[0].tail: time.sleep(0.05)
+    sys.path.insert(0, "tests")  # cwd is the repository: the tests' one wait helper
+    from waiting import wait_until
+    assert wait_until(lambda: "armed" in started[0].tail, 60), "the supervised child never armed"
     pid = started[0].proc.pid
 else:
     env = {**__import__("os").environ, parent_watch.PID_ENV: str(__import__("os").getpid())}
