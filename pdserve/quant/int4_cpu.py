@@ -119,7 +119,7 @@ class Int4Linear:
 
     Two packings of the same codes: the kernel's (opaque layout) for steps of few rows, and ours
     (two codes a byte, columns 2j and 2j+1) to dequantize from for steps of `DENSE_FROM_ROWS` or
-    more. Both together are half of the bf16 matrix's bytes."""
+    more. Both together, with one set of scales, are a little over half of the bf16 matrix's bytes."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype")
@@ -133,8 +133,8 @@ class Int4Linear:
         # [K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         self.nibbles = codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4)  # [N, K / 2] uint8
-        self.scale = self.scales_and_zeros[..., 0].t().contiguous()  # [N, K / 32], rounded as the kernel's
-        self.zero = self.scales_and_zeros[..., 1].t().contiguous()
+        self.scale = self.scales_and_zeros[..., 0].t()  # [N, K / 32] views: the kernel's rounded values
+        self.zero = self.scales_and_zeros[..., 1].t()
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features, self.in_features, self.dtype = n, k, dtype
 
@@ -163,7 +163,7 @@ class Int4Linear:
     def nbytes(self) -> int:
         b = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         return (self.packed.numel() * self.packed.element_size() + self.nibbles.numel()
-                + 2 * self.scales_and_zeros.numel() * self.scales_and_zeros.element_size() + b)
+                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size() + b)
 
 
 def weights_for(checkpoint, config) -> tuple[dict[str, torch.Tensor | Int4Codes], str]:

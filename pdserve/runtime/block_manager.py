@@ -85,9 +85,9 @@ class BlockManager:
         """One dict lookup: safe to call from another thread as a hint (the answer may be stale)."""
         return hash_ in self._by_hash
 
-    def resident_hashes(self) -> set[bytes]:
+    def resident_hashes(self) -> frozenset[bytes]:
         """Hashes of every full block whose KV this cache holds (referenced or cached)."""
-        return set(self._by_hash)
+        return frozenset(self._by_hash)
 
     def allocate(self, seq: Sequence) -> list[BlockLoad] | None:
         """Gives `seq` blocks for all its tokens: its leading full blocks shared from the cache or

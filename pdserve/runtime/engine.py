@@ -240,7 +240,7 @@ class Engine:
 
     def resident(self) -> frozenset[bytes]:
         """Hashes of every full block the cache holds (referenced or cached)."""
-        return frozenset(self.block_manager.resident_hashes())
+        return self.block_manager.resident_hashes()
 
     def load(self) -> EngineLoad:
         bm, s = self.block_manager, self.stats
