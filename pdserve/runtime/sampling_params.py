@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty")
+from pdserve.runtime.structured_output import StructuredOutput
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +24,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, applied by the detokenizer
     ignore_eos: bool = False
     logprobs: int = 0  # top alternatives to return per token; 0 means no logprobs
+    # OpenAI's penalties, over the tokens generated so far (not the prompt), as vLLM applies them:
+    # logit -= presence_penalty * (count > 0) + frequency_penalty * count
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logit
+    structured: StructuredOutput | None = None  # the output must match this (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:  # NaN passes every comparison below; inf poisons the softmax
@@ -40,6 +49,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty (an empty one would end every output at once)")
         if any(t < 0 for t in self.stop_token_ids):
