@@ -6,13 +6,14 @@ reason, where it is absent)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,6 @@ class Browser:
             self.proc.kill()
             self.proc.wait()
         self.profile.cleanup()
-
 
 
 class CDP:
@@ -114,30 +114,65 @@ class CDP:
         """Type like a person: focus the box, insert the text, press Enter."""
         await self.js("document.querySelector('#prompt').focus()")
         await self.send("Input.insertText", text=text)
+        await self.press("Enter")
+
+    async def press(self, key: str, modifiers: int = 0) -> None:
+        """Press and release a key (Enter, Escape, Tab...) in the focused element; `modifiers`:
+        1 Alt, 2 Ctrl, 4 Meta, 8 Shift."""
+        code, text = KEYS[key]
         for kind in ("keyDown", "keyUp"):
-            await self.send("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter",
-                            windowsVirtualKeyCode=13, nativeVirtualKeyCode=13, **({"text": "\r"} if kind == "keyDown" else {}))
+            await self.send("Input.dispatchKeyEvent", type=kind, key=key, code=key, modifiers=modifiers,
+                            windowsVirtualKeyCode=code, nativeVirtualKeyCode=code,
+                            **({"text": text} if kind == "keyDown" and text else {}))
+
+    async def fulfil(self, paused: dict[str, Any], status: int, body: str | bytes,
+                     headers: dict[str, str] | None = None) -> None:
+        """Answer a Fetch.requestPaused request with `status`, `headers` and `body`."""
+        raw = body.encode() if isinstance(body, str) else body
+        await self.send("Fetch.fulfillRequest", requestId=paused["params"]["requestId"], responseCode=status,
+                        responseHeaders=[{"name": k, "value": v} for k, v in (headers or {}).items()],
+                        body=base64.b64encode(raw).decode())
+
+    def requests(self, url_suffix: str, after: int = 0) -> list[dict[str, Any]]:
+        """The requests the page sent (Network.requestWillBeSent's `request`) to URLs ending in
+        `url_suffix`, from event index `after` on."""
+        return [e["params"]["request"] for e in self.events[after:]
+                if e["method"] == "Network.requestWillBeSent" and e["params"]["request"]["url"].endswith(url_suffix)]
+
+    async def screenshot(self, path: Path) -> None:
+        """The page's viewport as a PNG file."""
+        shot = await self.send("Page.captureScreenshot", format="png")
+        path.write_bytes(base64.b64decode(shot["data"]))
+
+
+# Virtual key code and the text a key types, for Input.dispatchKeyEvent.
+KEYS = {"Enter": (13, "\r"), "Escape": (27, ""), "Tab": (9, "")}
 
 
 @contextlib.asynccontextmanager
-async def open_page(browser: Browser, base: str, intercept: tuple[str, ...] = ()) -> AsyncIterator[CDP]:
-    """The chat page with an empty conversation; requests to URLs matching `intercept` (glob
-    patterns) pause, as Fetch.requestPaused events, until the test continues or fulfils them."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{browser.devtools_port()}/json/list") as r:
+async def open_page(browser: Browser, base: str, intercept: tuple[str, ...] = (), *,
+                    local: Mapping[str, str] | None = None, session: Mapping[str, str] | None = None
+                    ) -> AsyncIterator[CDP]:
+    """The chat page with its origin's storage empty (no conversation, no key) but for `local`
+    (localStorage) and `session` (sessionStorage) items; requests to URLs matching `intercept`
+    (glob patterns) pause, as Fetch.requestPaused events, until the test continues or fulfils them."""
+    async with aiohttp.ClientSession() as session_:
+        async with session_.get(f"http://127.0.0.1:{browser.devtools_port()}/json/list") as r:
             page = next(t for t in await r.json() if t["type"] == "page")
-        async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+        async with session_.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
             cdp = CDP(ws)
             try:
                 await cdp.send("Network.enable")
                 await cdp.send("Page.enable")
-                await cdp.send("Page.navigate", url=base + "/health")  # same origin: forget the last test's chat
+                await cdp.send("Page.navigate", url=base + "/health")  # same origin: forget the last test's chats
                 await cdp.wait_event("Page.loadEventFired")
-                await cdp.js("sessionStorage.clear()")
+                seeds = json.dumps({"localStorage": dict(local or {}), "sessionStorage": dict(session or {})})
+                await cdp.js(f"""sessionStorage.clear(); localStorage.clear();
+                  for (const [store, items] of Object.entries({seeds}))
+                    for (const [k, v] of Object.entries(items)) window[store].setItem(k, v);""")
                 if intercept:
                     await cdp.send("Fetch.enable", patterns=[{"urlPattern": p} for p in intercept])
                 await cdp.send("Page.navigate", url=base + "/")
                 yield cdp
             finally:
                 cdp.reader.cancel()
-
