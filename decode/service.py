@@ -13,6 +13,12 @@ carries the first generated token (and, in `cached_tokens`, the prompt tokens re
 uses it to resume a stream whose decode worker died (the prompt then ends with the tokens
 generated so far), when no prefill worker is healthy, and when its placement policy says so.
 
+Structured output: the sequence's grammar state is rebuilt here, not shipped: the engine builds a
+matcher for the request's spec and advances it over the tokens generated before (prefill's first
+token, or a resumed stream's `resumed_tokens`), so sampling continues in the same state (the
+presence/frequency penalties count the same tokens). Tokens the grammar refuses, or a spec that
+does not compile for this model, are INVALID_ARGUMENT.
+
 The kvstore is never required: when it is unreachable the blocks count as missing and the
 engine computes them (`KVOutage` logs that once per outage).
 

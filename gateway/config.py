@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.breaker import BreakerConfig
 from gateway.deadlines import Deadlines
@@ -29,8 +30,13 @@ from pdserve.config_flags import LOG_LEVEL_ENV, FromFlags, add_flags, check_log_
 from pdserve.grpc_server import ProcessConfig
 from pdserve.runtime.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, CacheConfig
 
+if TYPE_CHECKING:
+    from gateway.http.cors import CorsConfig
+
 DEFAULT_BIND = "127.0.0.1:50051"  # loopback unless told otherwise (compose passes 0.0.0.0)
 KEYS_FILE_ENV = "PDSERVE_API_KEYS_FILE"
+KEY_ENV = "PDSERVE_API_KEY"
+ORIGINS_ENV = "PDSERVE_ALLOWED_ORIGINS"
 ADMISSION_SLO_ENV = "PDSERVE_ADMISSION_TTFT_SLO_MS"
 _BREAKER, _RETRY = BreakerConfig(), RetryBudgetConfig()  # their defaults are the fields' defaults
 
@@ -41,8 +47,15 @@ class GatewayConfig(FromFlags):
 
     # ---- what it listens on and what it serves
     bind: str = setting(DEFAULT_BIND, "host:port to listen on")
-    http_port: int = setting(8000, "port of the OpenAI-compatible HTTP API and chat page, on --bind's host "
-                             "(0 disables it)")
+    http_port: int = setting(8000, "port of the OpenAI-compatible HTTP API and chat page, on --host "
+                             "(0 disables it)", aliases=("--port",))
+    http_host: str | None = setting(None, "address the HTTP API listens on", flag="--host", type=str,
+                                    shown="--bind's host")
+    allowed_origins: tuple[str, ...] = setting((), "origins whose web pages may call the HTTP API from a browser "
+                                               "(CORS): scheme://host[:port], or * for any (repeatable or "
+                                               "comma-separated; docs/http-surface.md)", env=ORIGINS_ENV,
+                                               append=True, split=",", metavar="ORIGIN[,ORIGIN...]",
+                                               shown="none: no CORS headers")
     prefill: str | None = setting(None, "prefill workers: host:port, or dns:///name:port for every address of a "
                                   "name (required without --config)", type=str, metavar="TARGET[,TARGET...]",
                                   shown="none")
@@ -72,12 +85,19 @@ class GatewayConfig(FromFlags):
     served_model_name: str | None = setting(None, "model id of the HTTP API (e.g. SmolLM2-135M-Instruct)", type=str,
                                             shown="the checkpoint's file name without its quantization tag, or "
                                                   "its directory name")
+    max_model_len: int | None = setting(None, "most tokens (prompt + output) a request may use; at most the "
+                                        "model's context window", type=int, metavar="N",
+                                        shown="the model's context window")
 
     # ---- admission, keys, limits, deadlines
     max_inflight: int = setting(256, "requests in flight before new ones get RESOURCE_EXHAUSTED (HTTP 429)")
     admission_ttft_slo_ms: float = setting(0.0, "refuse requests whose predicted TTFT exceeds MS with "
                                            "RESOURCE_EXHAUSTED (HTTP 429) and a retry-after hint (0 = off; "
                                            "docs/overload.md)", env=ADMISSION_SLO_ENV, metavar="MS")
+    api_keys: tuple[str, ...] = setting((), "require this API key (authorization: Bearer <key>), with no limits; "
+                                        "repeatable or comma-separated, beside --api-keys-file (a flag shows in "
+                                        "`ps`: prefer the variable or the file)", flag="--api-key", env=KEY_ENV,
+                                        append=True, split=",", metavar="KEY", shown="none", repr=False)
     api_keys_file: str | None = setting(None, "require API keys (authorization: Bearer <key>) listed in PATH, one "
                                         "per line with optional name=, rate=N/s, burst=N, concurrency=N "
                                         "(docs/security.md)", env=KEYS_FILE_ENV, type=str, metavar="PATH",
@@ -122,6 +142,12 @@ class GatewayConfig(FromFlags):
     def __post_init__(self) -> None:
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in 0..65535 (0 disables the HTTP API), got {self.http_port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1 token, got {self.max_model_len}")
+        for i, key in enumerate(self.api_keys, 1):
+            if len(key.split()) != 1 or key != key.strip():  # the key itself is never shown
+                raise ValueError(f"--api-key ({KEY_ENV}): key {i} has white space in it; a key is one word")
+        self.cors  # noqa: B018 - ValueError naming --allowed-origins when an origin is malformed
         if self.max_inflight < 1:
             raise ValueError(f"--max-inflight must be >= 1, got {self.max_inflight}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -154,6 +180,13 @@ class GatewayConfig(FromFlags):
             raise ValueError(f"--retry-window-s (PDSERVE_RETRY_WINDOW_S) must be > 0 seconds, "
                              f"got {self.retry_window_s:g}")
         check_log_level(self.log_level)
+
+    @property
+    def cors(self) -> CorsConfig:
+        """The HTTP API's CORS settings (gateway.http.cors)."""
+        from gateway.http.cors import parse_origins  # the HTTP package only where it is used
+
+        return parse_origins(self.allowed_origins)
 
     @property
     def breaker(self) -> BreakerConfig:

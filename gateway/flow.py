@@ -1,10 +1,12 @@
 """The path of one request through the gateway, step by step (`RequestFlow.run`).
 
-    GenerationRequest (service.py made it from the proto: text or chat messages, SamplingParams)
+    GenerationRequest (service.py made it from the proto: text or chat messages, SamplingParams;
+                       the HTTP edge may hand over the prompt's token ids, tokenized once there)
      0. (the edge: service.py / http) the client's request_id held per API key, ALREADY_EXISTS
         when in flight (request_ids); `request_id` here is the gateway's own, unique
      1. tokenize: the prompt's length in characters checked first, then the prompt, or the chat
-        rendered by the model's template, off the event loop when long (prompts) -> prompt_ids
+        rendered by the model's template, off the event loop when long (prompts) -> prompt_ids;
+        ids the request carries already (`prompt_ids`) are only checked against the vocabulary
      2. validate: prompt not empty, prompt + max_tokens within the context window, the
                   gateway's request limits (request_limits.RequestLimits: max_tokens, stop
                   strings, messages, prompt tokens; SamplingParams validated its own fields
@@ -14,7 +16,8 @@
      5. ask the kvstore how many leading blocks it holds and which decode worker holds how many
         in its paged cache (best effort)                         -> cached_blocks hint, residency
      6. pick a decode worker by KV-aware cost (router.pick_decode: load, free KV, resident prefix,
-        the session's last worker) and send it Prepare(hashes), not awaited: KV that already
+        the session's last worker, or the worker its sibling requests chose: `DecodeAffinity`,
+        the n choices of one HTTP request) and send it Prepare(hashes), not awaited: KV that already
         exists starts moving now; a hot prefix is also sent to the decode workers lacking it
                                                                                 UNAVAILABLE if none
      7. place the prefill (placement.PrefillPlacement, asked once; default AlwaysRemote):
@@ -56,6 +59,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -66,7 +70,7 @@ from gateway.limits import InflightLimit
 from gateway.metrics import PREFIX_CACHE_HIT_TOKENS, PROMPT_TOKENS
 from gateway.output import OutputAssembler, OutputChunk
 from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
-from gateway.prompts import check_fits, encode_off_loop, prompt_chars
+from gateway.prompts import check_fits, check_vocab, encode_off_loop, prompt_chars
 from gateway.request_limits import RequestLimits
 from gateway.sessions import HotPrefixes, SessionTracker
 from gateway.resume import StreamProgress
@@ -93,6 +97,15 @@ class ModelInfo:
     kv_format: KVFormat  # the workers' blocks (fingerprint, --block-size, --kv-dtype): how to name them
 
 
+@dataclass(eq=False)
+class DecodeAffinity:
+    """Requests that share a prompt (the n choices of one HTTP request) and should decode on one
+    worker, whose paged cache then holds the prompt's blocks once: the first of them to pick a
+    decode worker records it here, the others prefer it as a session prefers its last worker."""
+
+    address: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A Generate (`prompt`) or Chat (`messages`) request, protobuf-free."""
@@ -100,9 +113,14 @@ class GenerationRequest:
     request_id: str  # the gateway's own, unique: names the request downstream (gateway.request_ids)
     sampling: SamplingParams
     prompt: str = ""
-    messages: tuple[Mapping[str, str], ...] | None = None  # a chat when not None
+    messages: tuple[Mapping[str, Any], ...] | None = None  # a chat when not None (tool turns carry lists)
     session_id: str = ""
     client_request_id: str = ""  # the client's id, if it sent one: echoed back, never sent downstream
+    # The prompt as token ids, when the edge has them (an HTTP prompt it tokenized to check the fit,
+    # or token ids the client sent): the flow then does not tokenize `prompt` / `messages` again.
+    prompt_ids: tuple[int, ...] | None = None
+    affinity: DecodeAffinity | None = None  # shared by sibling requests (n choices): one decode worker
+    tools: tuple[Mapping[str, Any], ...] | None = None  # OpenAI tools the chat template renders
 
     @property
     def public_id(self) -> str:
@@ -137,14 +155,22 @@ class RequestFlow:
         self._session_task: asyncio.Task | None = None
 
     async def tokenize(self, request: GenerationRequest) -> list[int]:
-        """Steps 1-2: validated prompt ids; ValueError with an actionable message. The length in
-        characters is checked first; a long prompt is tokenized off the event loop (gateway.prompts)."""
-        self.limits.check_chars(prompt_chars(request.prompt, request.messages), self.model.context_window)
-        self.limits.check_request(request)
-        ids = await encode_off_loop(self.model.tokenizer, request.prompt, request.messages)
+        """Steps 1-2: validated prompt ids; ValueError with an actionable message."""
+        ids = await self.prompt_ids(request)
         check_fits(ids, request.sampling, self.model.context_window)
         self.limits.check_tokens(ids, request.sampling)
         return ids
+
+    async def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """Step 1 and the checks before it, without the fit of max_tokens: the request's own ids
+        (checked against the vocabulary), else its prompt or chat tokenized. The length in
+        characters is checked first; a long prompt is tokenized off the event loop (gateway.prompts)."""
+        self.limits.check_request(request)
+        if request.prompt_ids is not None:
+            return check_vocab(list(request.prompt_ids), self.model.tokenizer.vocab_size)
+        chars = prompt_chars(request.prompt, request.messages, request.tools)
+        self.limits.check_chars(chars, self.model.context_window)
+        return await encode_off_loop(self.model.tokenizer, request.prompt, request.messages, request.tools)
 
     async def run(self, request: GenerationRequest, time_remaining: TimeRemaining
                   ) -> AsyncIterator[OutputChunk]:
@@ -161,10 +187,13 @@ class RequestFlow:
         m = self.model
         hashes = m.kv_format.full_block_hashes(prompt_ids)
         cached_blocks, resident = await self._lookup(hashes)
-        session_home = self._session_arrival(request.session_id)
+        affinity = request.affinity
+        session_home = self._session_arrival(request.session_id) or (affinity.address if affinity else "")
         blocks_needed = m.kv_format.blocks_for(len(prompt_ids) + sampling.max_tokens)
         # Before prefill: no point computing KV nobody can decode.
         hinted = self.decode_pool.pick_decode(blocks_needed, resident, session_home)
+        if affinity is not None and not affinity.address:
+            affinity.address = hinted.address  # the siblings follow this request's prompt blocks
         progress = StreamProgress(prompt_ids, sampling)
         out: OutputAssembler | None = None
         try:

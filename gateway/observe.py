@@ -14,7 +14,10 @@ about every chunk and how the stream ended:
   pdserve_output_tokens_total       generated tokens streamed
 
 With tracing on, the request runs inside a "gateway.request" span (child of the RPC's SERVER span)
-so every downstream call of the flow is its child; with tracing off no span is made.
+so every downstream call of the flow is its child; with tracing off no span is made. An HTTP request
+gets its SERVER span from `http_server_span` (the app's middleware): its parent is the caller's W3C
+`traceparent` header when it sent one (read by OpenTelemetry's propagator, as the gRPC interceptor
+reads the call's metadata), so a client's trace continues through the gateway on both APIs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 
 import grpc
@@ -147,6 +150,33 @@ def observe_request(request_id: str, session_id: str, slo: SloMonitor | None) ->
                 _current.reset(token)
             except ValueError:  # closed from another context (a garbage-collected stream)
                 pass
+
+
+@contextmanager
+def http_server_span(method: str, route: str, headers: Mapping[str, str]) -> Iterator[object | None]:
+    """The SERVER span of one HTTP request ("POST /v1/chat/completions"), current for the block and
+    continuing the trace of the request's `traceparent` header when it has one; None when tracing is
+    off. Tell it the response's status with `set_http_status(span, status)`."""
+    if not telemetry.enabled():
+        yield None
+        return
+    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    parent = TraceContextTextMapPropagator().extract(headers)  # W3C traceparent/tracestate, as gRPC's
+    with telemetry.tracer().start_as_current_span(
+            f"{method} {route}", context=parent, kind=SpanKind.SERVER, record_exception=False,
+            attributes={"http.request.method": method, "http.route": route}) as span:
+        yield span
+
+
+def set_http_status(span, status: int) -> None:
+    """Record an HTTP response's status on its span (`http_server_span`); 5xx marks it an error."""
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
 
 
 def _annotate(span, obs: RequestObserver, status: str) -> None:

@@ -4,14 +4,19 @@
 token counts; each `add` takes the tokens of one worker answer and returns the `OutputChunk` to
 stream. The chunk that completes a stop string, or carries the worker's finish reason, is the
 last one: it has `finish_reason` set and the request's `Usage`.
+
+`TokenTexts` gives the text of each sampled token and of its alternatives, for APIs that show
+logprobs by token text (OpenAI's).
 """
 
 from __future__ import annotations
 
+import re
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.runtime.detokenizer import IncrementalDetokenizer
+from pdserve.runtime.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import TokenLogprob
 from pdserve.runtime.tokenizer import Tokenizer
@@ -70,3 +75,47 @@ class OutputAssembler:
             usage = Usage(self._prompt_tokens, self.completion_tokens, self._cached_tokens)
         return OutputChunk(text, tuple(token_ids), tuple(logprobs) if self._want_logprobs else (),
                            finish_reason, usage)
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobText:
+    """A token as logprobs show it: its text, its bytes and its logprob; for a sampled token also
+    its top alternatives (each a LogprobText without alternatives), most likely first."""
+
+    text: str
+    bytes: bytes
+    logprob: float
+    top: tuple[LogprobText, ...] = ()
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte-fallback tokens
+_CONTEXT = 4  # tokens before a token decoded with it (sentencepiece's leading space needs one)
+
+
+class TokenTexts:
+    """The text of one request's tokens for its logprobs, each decoded after the few tokens before
+    it (a token's text depends on its left neighbour: sentencepiece drops a leading space at the
+    start of a text). A token that holds part of a UTF-8 character shows as U+FFFD, with its own
+    byte when the vocabulary names it (`<0xE2>`)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self._tok = tokenizer
+        self._context: deque[int] = deque(prompt_ids[-_CONTEXT:], maxlen=_CONTEXT)
+
+    def add(self, lp: TokenLogprob, top: int) -> LogprobText:
+        """The sampled token of `lp` with its first `top` alternatives; it then joins the context."""
+        before = self._tok.decode(list(self._context))
+        alternatives = tuple(self._text(before, t, v) for t, v in lp.top[:top])
+        out = self._text(before, lp.token_id, lp.logprob, alternatives)
+        self._context.append(lp.token_id)
+        return out
+
+    def _text(self, before: str, token_id: int, logprob: float, top: tuple[LogprobText, ...] = ()) -> LogprobText:
+        full = self._tok.decode([*self._context, token_id])
+        text = full[len(before):] if full.startswith(before) else self._tok.decode([token_id])
+        raw = text.encode()
+        if REPLACEMENT in text:
+            piece = getattr(self._tok, "id_to_piece", None)
+            match = _BYTE_PIECE.fullmatch(piece(token_id)) if piece is not None else None
+            raw = bytes([int(match[1], 16)]) if match else raw
+        return LogprobText(text, raw, logprob, top)

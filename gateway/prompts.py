@@ -8,18 +8,23 @@ loop, one 7.5 MB prompt stalled every stream of the gateway for 25 s. So the pro
 characters is checked first (`RequestLimits.check_chars`: the work is then bounded), and
 `encode_off_loop` runs any prompt longer than `INLINE_CHARS` on a small thread pool: the loop
 keeps serving other streams meanwhile (the thread shares the GIL with it, switching every 5 ms).
+
+A chat with tools (OpenAI `tools`, gateway.http.tools) is rendered with them by the model's
+template; their JSON and the history's tool calls count as characters of the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.tokenizer import Tokenizer
+from pdserve.runtime.tokenizer import Tokenizer, Tools
 
-Messages = Sequence[Mapping[str, str]]
+Messages = Sequence[Mapping[str, Any]]  # {"role", "content"}; "tool_calls" / "tool_call_id" with tools
 # Up to this many characters a prompt is tokenized on the loop: a few ms, less than queueing it
 # behind a long prompt on the pool would cost.
 INLINE_CHARS = 1024
@@ -27,24 +32,30 @@ INLINE_CHARS = 1024
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-tokenize")
 
 
-def prompt_chars(prompt: str, messages: Messages | None) -> int:
+def prompt_chars(prompt: str, messages: Messages | None, tools: Tools | None = None) -> int:
     """Characters the tokenizer will see, up to the chat template's own text."""
     if messages is None:
         return len(prompt)
-    return sum(len(m.get("role", "")) + len(m.get("content", "")) for m in messages)
+    return sum(_message_chars(m) for m in messages) + sum(len(json.dumps(t)) for t in tools or ())
 
 
-def encode(tokenizer: Tokenizer, prompt: str, messages: Messages | None) -> list[int]:
-    """Token ids of a raw prompt (`messages` None) or of a chat."""
-    return tokenize_prompt(tokenizer, prompt) if messages is None else tokenize_chat(tokenizer, messages)
+def _message_chars(m: Mapping[str, Any]) -> int:
+    calls = m.get("tool_calls") or ()  # the template writes each call's name and arguments as JSON
+    return len(m.get("role", "")) + len(m.get("content") or "") + sum(len(json.dumps(c)) for c in calls)
 
 
-async def encode_off_loop(tokenizer: Tokenizer, prompt: str, messages: Messages | None) -> list[int]:
+def encode(tokenizer: Tokenizer, prompt: str, messages: Messages | None, tools: Tools | None = None) -> list[int]:
+    """Token ids of a raw prompt (`messages` None) or of a chat (with `tools`, when it has them)."""
+    return tokenize_prompt(tokenizer, prompt) if messages is None else tokenize_chat(tokenizer, messages, tools)
+
+
+async def encode_off_loop(tokenizer: Tokenizer, prompt: str, messages: Messages | None,
+                          tools: Tools | None = None) -> list[int]:
     """`encode`, on the tokenizer pool when the prompt is long (check its length first: a thread
     cannot be stopped, so only the length bounds its work)."""
-    if prompt_chars(prompt, messages) <= INLINE_CHARS:
-        return encode(tokenizer, prompt, messages)
-    return await asyncio.get_running_loop().run_in_executor(_POOL, encode, tokenizer, prompt, messages)
+    if prompt_chars(prompt, messages, tools) <= INLINE_CHARS:
+        return encode(tokenizer, prompt, messages, tools)
+    return await asyncio.get_running_loop().run_in_executor(_POOL, encode, tokenizer, prompt, messages, tools)
 
 
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -54,11 +65,13 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Token ids of a chat rendered with the model's chat template; unknown roles raise ValueError."""
+def tokenize_chat(tokenizer: Tokenizer, messages: Messages, tools: Tools | None = None) -> list[int]:
+    """Token ids of a chat rendered with the model's chat template (given `tools` when there are
+    any); unknown roles, or tools the template cannot render, raise ValueError."""
     if not messages:
         raise ValueError("messages is empty: a chat needs at least one message")
-    text = tokenizer.apply_chat_template(messages)
+    # Without tools the template is called as before, so tokenizers without a tools argument still work.
+    text = tokenizer.apply_chat_template(messages, tools) if tools else tokenizer.apply_chat_template(messages)
     # The template writes BOS (if any) as text, which encodes to the BOS id; don't add a second.
     bos = tokenizer.bos_id
     ids = tokenizer.encode(text, add_bos=True)
@@ -77,3 +90,12 @@ def check_fits(prompt_ids: Sequence[int], sampling: SamplingParams, context_wind
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens "
             f"exceeds the model's context window of {context_window} tokens; shorten the prompt "
             f"or lower max_tokens to at most {max(context_window - len(prompt_ids), 0)}")
+
+
+def check_vocab(prompt_ids: list[int], vocab_size: int) -> list[int]:
+    """`prompt_ids` when every id is a token of the vocabulary, else ValueError naming the first
+    that is not (ids a client sent: a worker would index its embedding table with them)."""
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is not in the model's vocabulary (ids 0 to {vocab_size - 1})")
+    return prompt_ids

@@ -112,10 +112,52 @@ async def start_deployment(name: str, model_path: str | None, block_size: int, k
 
     settings = settings or GatewayConfig()
     model = await asyncio.to_thread(load_model_info, model_path, block_size, kv_dtype, dtype)
+    model = capped_model(model, settings.max_model_len, name)
     prefill = await _start_pool("prefill", prefill_targets, settings)
     decode = await _start_pool("decode", decode_targets, settings)
     kvstore = KVStoreClient(kvstore_target, timeout_s=KVSTORE_TIMEOUT_S) if kvstore_target else None
     return Deployment(name, build_flow(model, prefill, decode, kvstore, limit, settings))
+
+
+def capped_model(model: ModelInfo, max_model_len: int | None, name: str = "") -> ModelInfo:
+    """`model` with its context window capped at --max-model-len; ValueError when that is above
+    the model's own (the workers could not run such a request)."""
+    import dataclasses
+
+    if max_model_len is None:
+        return model
+    check_max_model_len(max_model_len, model.context_window, name)
+    return dataclasses.replace(model, context_window=max_model_len)
+
+
+def check_max_model_len(max_model_len: int, context_window: int, name: str = "") -> None:
+    """ValueError (one line, naming the flag) when --max-model-len is above the model's window."""
+    if max_model_len > context_window:
+        model = f"deployment {name!r}'s model" if name else "the model"
+        raise ValueError(f"--max-model-len {max_model_len} is above the context window of {context_window} tokens "
+                         f"of {model} (its max_position_embeddings); use at most {context_window}")
+
+
+def key_ring(settings: GatewayConfig):  # -> auth.KeyRing | None
+    """The API keys of --api-keys-file and --api-key together (None: no key, the API is open). A key
+    given both ways keeps the file's name and limits."""
+    from pathlib import Path
+
+    from gateway import auth
+    from gateway.key_limits import KeyLimits
+
+    keys: list[auth.ApiKey] = []
+    if settings.api_keys_file:
+        try:
+            text = Path(settings.api_keys_file).read_text()
+        except OSError as err:
+            raise ValueError(f"cannot read the API keys file {settings.api_keys_file}: {err.strerror or err}") from None
+        keys = auth.parse_keys(text, settings.api_keys_file)
+    for key in settings.api_keys:
+        digest = auth.digest(key)
+        if all(k.digest != digest for k in keys):
+            keys.append(auth.ApiKey(f"key-{digest.hex()[:8]}", digest, KeyLimits()))
+    return auth.KeyRing(keys) if keys else None
 
 
 def build_flow(model: ModelInfo, prefill: WorkerPool, decode: WorkerPool, kvstore: KVStoreClient | None,
@@ -146,12 +188,13 @@ async def serve_catalog(bind: str, catalog: Catalog, *, http_bind: str | None = 
     settings = settings or GatewayConfig()
     http = None
     try:
-        keys = auth.KeyRing.from_file(settings.api_keys_file) if settings.api_keys_file else None
+        keys = key_ring(settings)
         servicer = GatewayServicer(catalog, settings=settings)
         limits = settings.limits
         if http_bind is not None:
             from gateway.http import create_app, start_http
-            app = create_app(catalog, slo=servicer.slo, limits=limits, deadlines=settings.deadlines, keys=keys)
+            app = create_app(catalog, slo=servicer.slo, limits=limits, deadlines=settings.deadlines, keys=keys,
+                             cors_config=settings.cors)
             http = await start_http(app, http_bind, header_timeout_s=limits.http_header_timeout_s,
                                     tls=settings.process.tls)
         # Public: API keys (gateway.auth) instead of the internal token; request size limit.
@@ -189,12 +232,13 @@ def default_model_name(model_path: str | None) -> str:
 _QUANT_TAG = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
-def http_bind_of(grpc_bind: str, http_port: int) -> str | None:
-    """The HTTP API's "host:port": the gRPC bind's host with `http_port`; None when the port is 0."""
+def http_bind_of(grpc_bind: str, http_port: int, host: str | None = None) -> str | None:
+    """The HTTP API's "host:port": `host` (--host), else the gRPC bind's host, with `http_port`;
+    None when the port is 0."""
     if http_port == 0:
         return None
-    host = grpc_bind.rpartition(":")[0] or "127.0.0.1"
-    return f"{host}:{http_port}"
+    host = host or grpc_bind.rpartition(":")[0] or "127.0.0.1"
+    return f"[{host}]:{http_port}" if ":" in host and not host.startswith("[") else f"{host}:{http_port}"
 
 
 async def stop(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
@@ -245,7 +289,7 @@ async def run_until_signal(settings: GatewayConfig) -> None:
     """Serve with `settings` until SIGINT/SIGTERM, then stop gracefully."""
     from pdserve.engine_args import resolved_dtypes
 
-    http_bind = http_bind_of(settings.bind, settings.http_port)
+    http_bind = http_bind_of(settings.bind, settings.http_port, settings.http_host)
     dtype, kv_dtype = resolved_dtypes(settings.dtype, settings.kv_dtype)  # as the workers resolve theirs
     if settings.serve_config:
         from gateway.experiments.serve_config import load_serve_config
@@ -290,7 +334,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM."""
-    parser = argparse.ArgumentParser(prog="gateway", description="pdserve gateway")
+    from pdserve.cli import SafeArgumentParser  # no abbreviations, no secret in a usage error
+
+    parser = SafeArgumentParser(prog="gateway", description="pdserve gateway")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -39,6 +39,7 @@ from pdserve import log_privacy
 from pdserve.grpc_server import abort_on
 from pdserve.interceptors import metadata_value
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
+from pdserve.runtime.structured_output import check as check_structured
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 def generation_request(msg: gateway_pb2.GenerateRequest | gateway_pb2.ChatRequest) -> GenerationRequest:
     """The protobuf-free request under a new gateway id (the client's kept as client_request_id);
-    ValueError on bad sampling values."""
+    ValueError on bad sampling values, or a structured output spec llguidance cannot compile (its
+    message says why; checked once per distinct spec, before any worker sees the request)."""
     sampling = sampling_from_proto(msg.sampling)
+    if sampling.structured is not None:
+        check_structured(sampling.structured)
     ids = {"session_id": msg.session_id, "client_request_id": msg.request_id}
     if isinstance(msg, gateway_pb2.ChatRequest):
         messages = tuple({"role": m.role, "content": m.content} for m in msg.messages)

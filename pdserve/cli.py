@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "kvstore",
     "quantize",
     "quant_eval",
+    "qat",
     "bench_kv",
     "bench",
     "bench_overload",
@@ -53,15 +54,34 @@ def redact_usage_error(message: str) -> str:
     return _QUOTED.sub(lambda m: "'<hidden>'" if _SECRET_LIKE.fullmatch(m.group(1)) else m.group(0), message)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default: the flags derived from config fields say theirs already
+    (pdserve.config_flags), the others get " (default: X)" here (not for None or a suppressed one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS) or "%(default)" in text
+                or "default: " in text):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 class SafeArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors pass through `redact_usage_error`."""
+    """An ArgumentParser whose usage errors pass through `redact_usage_error`, that never takes an
+    abbreviation for an option, and whose --help shows defaults. Subcommand parsers (nested ones
+    too) are made with the class of their parent: they are all SafeArgumentParsers."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False  # whatever a caller asks: an abbreviation can swallow a secret
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         super().error(redact_usage_error(message))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = SafeArgumentParser(prog="pdserve", description="Disaggregated LLM serving.", allow_abbrev=False)
+    parser = SafeArgumentParser(prog="pdserve", description="Disaggregated LLM serving.")
     # parser_class is inherited by every subcommand's parser: they redact too.
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in COMMAND_MODULES:
@@ -71,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
             if err.name != f"pdserve.commands.{module_name}":
                 raise
             continue  # a command that is not built yet
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, allow_abbrev=False)
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser

@@ -43,15 +43,19 @@ def setting(default: Any = dataclasses.MISSING, doc: str = "", *, flag: str | No
             env: str | None = None, load: Callable[[Mapping[str, str]], Any] | None = None,
             type: Callable[[str], Any] | None = None, choices: Collection[Any] | None = None,
             metavar: str | None = None, scale: float | None = None, append: bool = False,
-            shown: str | None = None, external: bool = False, repr: bool = True) -> Any:
+            split: str | None = None, aliases: tuple[str, ...] = (), shown: str | None = None,
+            external: bool = False, repr: bool = True) -> Any:
     """A documented config field. `env`: its environment variable (in the flag's units); `load`:
     reads it from the environment some other way (a secret or its file), None when unset; `type`:
     of the flag's value when the default does not tell (None defaults); `scale`: flag value =
-    field value x scale; `append`: a repeatable flag, the field a tuple; `shown`: the default's
-    text in --help when it is None or empty; `external`: the flag is declared by another module."""
+    field value x scale; `append`: a repeatable flag, the field a tuple; `split`: with `append`,
+    each value (and the variable) may also list several items with this separator; `aliases`:
+    more spellings of the flag; `shown`: the default's text in --help when it is None or empty;
+    `external`: the flag is declared by another module; `repr=False` keeps a secret out of logs."""
     return dataclasses.field(default=default, repr=repr, metadata={
         "doc": doc, "flag": flag, "env": env, "load": load, "type": type, "choices": choices,
-        "metavar": metavar, "scale": scale, "append": append, "shown": shown, "external": external})
+        "metavar": metavar, "scale": scale, "append": append, "split": split, "aliases": aliases,
+        "shown": shown, "external": external})
 
 
 def nested(cls: type, doc: str) -> Any:
@@ -110,7 +114,9 @@ class Setting:
 
     def from_flag(self, value: Any) -> Any:
         if self.meta["append"]:
-            return tuple(value or ())
+            sep = self.meta["split"]
+            items = value or ()
+            return tuple(p.strip() for v in items for p in v.split(sep) if p.strip()) if sep else tuple(items)
         scale = self.meta["scale"]
         if scale and value is not None:
             value = value / scale
@@ -119,6 +125,8 @@ class Setting:
         return value
 
     def from_env(self, raw: str) -> Any:
+        if self.meta["append"]:  # one item, or several with the setting's separator
+            return self.from_flag([raw])
         kind = self.value_type
         try:
             value = parse_bool(raw) if kind is bool else kind(raw)
@@ -209,7 +217,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             kwargs["action"] = _StoreBool
         else:
             kwargs.update(action=_Store, type=s.value_type)
-        parser.add_argument(s.flag, **kwargs)
+        parser.add_argument(s.flag, *s.meta["aliases"], **kwargs)
 
 
 def _help(s: Setting) -> str:

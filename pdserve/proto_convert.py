@@ -13,14 +13,18 @@ from collections.abc import Iterable
 
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import TokenLogprob
+from pdserve.runtime.structured_output import StructuredOutput
 from pdserve.v1 import common_pb2
 
 _DEFAULTS = SamplingParams()
 # Field groups by how the proto carries them; tests/test_proto_convert.py checks that together they
 # cover every field of both the proto message and the dataclass.
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty")  # presence tracked
-_PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "logprobs")  # proto zero == dataclass default
+_PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "logprobs", "presence_penalty",
+                 "frequency_penalty")  # proto zero == dataclass default
 _REPEATED_FIELDS = ("stop", "stop_token_ids")
+# And two of their own: logit_bias (a map token id -> bias; the dataclass keeps its pairs sorted by id)
+# and structured (a message, unset for None).
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -30,7 +34,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         for name in _OPTIONAL_FIELDS}
     kwargs.update({name: getattr(msg, name) for name in _PLAIN_FIELDS})
     kwargs.update({name: tuple(getattr(msg, name)) for name in _REPEATED_FIELDS})
+    kwargs["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
+    kwargs["structured"] = structured_from_proto(msg.structured) if msg.HasField("structured") else None
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    """The spec of a request (its kind checked; whether it compiles is `structured_output.check`'s)."""
+    return StructuredOutput(msg.kind, msg.spec)  # type: ignore[arg-type]
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -52,6 +63,12 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
             getattr(msg, name).extend(getattr(params, name))
         except (ValueError, TypeError) as err:
             raise ValueError(f"{name} cannot be sent: {err}") from err
+    try:
+        msg.logit_bias.update(dict(params.logit_bias))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"logit_bias cannot be sent: {err}") from err
+    if params.structured is not None:
+        msg.structured.CopyFrom(common_pb2.StructuredOutput(kind=params.structured.kind, spec=params.structured.spec))
     return msg
 
 

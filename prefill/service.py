@@ -18,6 +18,11 @@ either: the decode worker finds the blocks missing and computes them (logged onc
 Prefill is idempotent by request id (prefill.single_flight): a retry that arrives while the same
 request runs here joins that run instead of starting a second one.
 
+Structured output (`SamplingParams.structured`): the engine compiles the spec against this model's
+vocabulary (cached by spec) and samples the first token under its grammar; a spec it cannot
+compile (a token id the vocabulary lacks) is INVALID_ARGUMENT. When that token completes the
+grammar the reply's finish_reason is "stop" and no decode follows.
+
 Ownership (a cancel can land on any await): the engine owns every block reference. The prefix
 blocks resident here when the Prefill starts are pinned under the request's id: its sequence takes
 them over when the scheduler admits it, and the `unpin` on every way out drops them if it never

@@ -9,6 +9,8 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import os
+import signal
 import json
 import subprocess
 import tempfile
@@ -34,9 +36,13 @@ class Browser:
              "--remote-debugging-port=0")
 
     def __init__(self) -> None:
-        self.profile = tempfile.TemporaryDirectory(prefix="pdserve-chromium-")
+        # Its helper processes may still be writing to the profile when the browser exits: the
+        # directory is removed best effort, a leftover file must not fail the test that used it.
+        self.profile = tempfile.TemporaryDirectory(prefix="pdserve-chromium-", ignore_cleanup_errors=True)
+        # Its own process group, so that close() stops the renderer and GPU helpers with it.
         self.proc = subprocess.Popen([str(CHROMIUM), *self.FLAGS, f"--user-data-dir={self.profile.name}",
-                                      "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                      "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
 
     def devtools_port(self, timeout_s: float = 30.0) -> int:
         # With --remote-debugging-port=0 chromium picks a port and writes it to the profile.
@@ -51,13 +57,20 @@ class Browser:
         raise TimeoutError("chromium did not open its DevTools port")
 
     def close(self) -> None:
-        self.proc.terminate()
+        self._signal_group(signal.SIGTERM)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._signal_group(signal.SIGKILL)
             self.proc.wait()
+        self._signal_group(signal.SIGKILL)  # helpers that outlived the browser
         self.profile.cleanup()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 class CDP:

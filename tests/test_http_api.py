@@ -245,12 +245,13 @@ ERRORS = [  # (path, body, status, param, code)
     ("/v1/chat/completions", {**CHAT, "temperature": 3}, 400, "temperature", None),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/chat/completions", {**CHAT, "max_tokens": "8"}, 400, "max_tokens", None),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", None),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n", None),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p", None),
     ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
     ("/v1/chat/completions", {**CHAT, "seed": -1}, 400, "seed", None),
     ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options", None),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function", None),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages", None),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -258,7 +259,8 @@ ERRORS = [  # (path, body, status, param, code)
     ("/v1/chat/completions", {k: v for k, v in CHAT.items() if k != "model"}, 400, "model", None),
     ("/v1/chat/completions", {**CHAT, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
-    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3]}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt", None),  # not in the vocabulary
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2047}, 400, "max_tokens",
      "context_length_exceeded"),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi " * 2100}, 400, "prompt", "context_length_exceeded"),
@@ -277,7 +279,7 @@ def test_error_status_and_body(stack, path, body, status, param, code):
 
 def test_errors_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=17)
     assert bad.value.status_code == 400 and bad.value.param == "n"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="davinci", prompt="Hi")
@@ -367,7 +369,7 @@ async def _no_workers() -> None:
                 assert r.status == 503  # refused before the stream starts: a real status, not an SSE event
                 error = (await r.json())["error"]
                 assert (error["type"], error["code"]) == ("service_unavailable", "service_unavailable")
-                assert "no healthy" in error["message"]
+                assert "no healthy" in error["message"] and dead not in error["message"]
     finally:
         await gateway_server.stop(server, grace_s=1)
 
@@ -412,11 +414,15 @@ class _FakeFlow:
     def __init__(self, chunks, error: BaseException | None) -> None:
         from types import SimpleNamespace
 
+        from gateway.request_limits import RequestLimits
+
         self.chunks, self.error = chunks, error
-        self.model = SimpleNamespace(context_window=64)
+        self.model = SimpleNamespace(context_window=64, tokenizer=SimpleNamespace(vocab_size=512),
+                                     kv_format=SimpleNamespace(fingerprint="0" * 32))
+        self.limits = RequestLimits()
         self.prefill_pool = self.decode_pool = SimpleNamespace(endpoints=[], describe=lambda: "none")
 
-    async def tokenize(self, request) -> list[int]:
+    async def prompt_ids(self, request) -> list[int]:
         return [1, 2, 3]
 
     async def run(self, request, time_remaining):
@@ -448,10 +454,14 @@ def test_errors_after_the_first_token_and_unexpected_ones():
     status, payload = asyncio.run(_fake_gateway(_FakeFlow(first, died), {**CHAT, "stream": True}))
     events = payload.split(b"\n\n")[:-1]
     assert status == 200 and b"[DONE]" not in payload
-    assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "service_unavailable"
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "service_unavailable"
+    # The worker's address stays in the gateway's log: the client learns what failed, not where.
+    assert "went away" in error["message"] and "127.0.0.1" not in error["message"]
     # Whole: the same failure is the response's status.
     status, payload = asyncio.run(_fake_gateway(_FakeFlow(first, died), CHAT))
-    assert status == 503 and "went away" in json.loads(payload)["error"]["message"]
+    message = json.loads(payload)["error"]["message"]
+    assert status == 503 and "went away" in message and "127.0.0.1" not in message
     status, payload = asyncio.run(_fake_gateway(
         _FakeFlow([], ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")), CHAT))
     assert status == 504

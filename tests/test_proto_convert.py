@@ -25,11 +25,14 @@ from pdserve.proto_convert import (
 )
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import TokenLogprob
+from pdserve.runtime.structured_output import StructuredOutput
 from pdserve.v1 import common_pb2
 
-# Fields a generic rule below cannot give a valid non-default value, with the value to use. Empty
-# today: every SamplingParams field is valid at its default nudged by the rules of `_value`.
-_EXPLICIT: dict[tuple[type, str], Any] = {}
+# Fields a generic rule below cannot give a valid non-default value, with the value to use.
+# structured: a spec is valid only with a known kind and a spec of that kind.
+_EXPLICIT: dict[tuple[type, str], Any] = {
+    (SamplingParams, "structured"): StructuredOutput("json_schema", '{"type": "object"}'),
+}
 
 # Fields deliberately on one side only, with the reason. None today; an entry here is a decision
 # that the field is not carried across the wire.
@@ -111,7 +114,7 @@ def test_sampling_defaults_match_the_dataclass() -> None:
 
 
 @pytest.mark.parametrize("name", [f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields
-                                  if f.has_presence])
+                                  if f.has_presence and f.message_type is None])  # scalars (not `structured`)
 def test_sampling_optional_zero_is_not_the_default(name: str) -> None:
     """A set optional field is taken as sent even at the proto's zero (temperature 0 is greedy):
     kept, or refused naming the field; never replaced by the default as if it were unset."""
@@ -143,11 +146,22 @@ def test_sampling_large_seed_survives() -> None:
     ("logprobs", 21),
     ("stop", [""]),
     ("stop_token_ids", [-1]),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0),
+    ("frequency_penalty", math.nan),
+    ("logit_bias", {5: 101.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("structured", common_pb2.StructuredOutput(kind="yaml")),
+    ("structured", common_pb2.StructuredOutput(kind="regex", spec="a" * (64 * 1024 + 1))),
 ])
 def test_bad_sampling_from_proto_names_the_field(name: str, value: Any) -> None:
     msg = common_pb2.SamplingParams()
     if isinstance(value, list):
         getattr(msg, name).extend(value)
+    elif isinstance(value, dict):
+        getattr(msg, name).update(value)
+    elif isinstance(value, common_pb2.StructuredOutput):
+        getattr(msg, name).CopyFrom(value)
     else:
         setattr(msg, name, value)
     # `\b` so that a "stop" error does not pass for a "stop_token_ids" one
@@ -160,6 +174,7 @@ def test_bad_sampling_from_proto_names_the_field(name: str, value: Any) -> None:
     ({"max_tokens": 2**31}, "max_tokens"),  # int32
     ({"top_k": 2**31}, "top_k"),
     ({"stop_token_ids": (2**31,)}, "stop_token_ids"),
+    ({"logit_bias": ((2**31, 1.0),)}, "logit_bias"),
 ])
 def test_unsendable_sampling_to_proto_names_the_field(fields: dict, name: str) -> None:
     """Values SamplingParams accepts but the proto cannot carry (protobuf names only the value)."""
@@ -188,3 +203,21 @@ def test_logprob_order_of_alternatives_is_kept() -> None:
     lp = TokenLogprob(3, -0.25, ((9, -0.5), (1, -1.0), (5, -2.0)))
     assert [t.token_id for t in logprob_to_proto(lp).top] == [9, 1, 5]
     assert logprob_from_proto(logprob_to_proto(lp)).top == lp.top
+
+
+def test_logit_bias_travels_as_a_map_in_any_order() -> None:
+    """OpenAI's logit_bias is a JSON object: the order a client wrote it in means nothing, and the
+    dataclass keeps one (by token id) so that equal requests compare equal on both sides."""
+    params = SamplingParams(logit_bias=((9, -100.0), (3, 2.5)))
+    assert params.logit_bias == ((3, 2.5), (9, -100.0))
+    msg = sampling_to_proto(params)
+    assert dict(msg.logit_bias) == {3: 2.5, 9: -100.0}
+    assert sampling_from_proto(msg) == params
+
+
+def test_structured_output_unset_is_none_and_set_is_kept() -> None:
+    assert not sampling_to_proto(SamplingParams()).HasField("structured")
+    so = StructuredOutput("choice", '["yes", "no"]')
+    msg = sampling_to_proto(SamplingParams(structured=so))
+    assert (msg.structured.kind, msg.structured.spec) == ("choice", '["yes", "no"]')
+    assert sampling_from_proto(msg).structured == so

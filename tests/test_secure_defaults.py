@@ -29,21 +29,21 @@ def _usage_error(capsys, argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("argv", [
-    ["gateway", "--api-key", SECRET],
-    ["gateway", f"--api-key={SECRET}"],
+    ["gateway", "--api-keys", SECRET],  # an abbreviation of --api-keys-file (--api-key is a flag of its own)
+    ["gateway", f"--api-keys={SECRET}"],
     ["gateway", "--max-inflight", SECRET],
     ["up", "--prefill", "1", SECRET],
 ])
 def test_usage_errors_never_echo_a_secret(capsys, argv: list[str]) -> None:
     err = _usage_error(capsys, argv)
     assert SECRET not in err and "sk-" not in err
-    assert "--api-key" in err or "--max-inflight" in err or "unrecognized" in err
+    assert "--api-keys" in err or "--max-inflight" in err or "unrecognized" in err
 
 
 def test_options_are_never_abbreviated(capsys) -> None:
-    # --api-key must not be read as --api-keys-file (which would then print the key as a path).
-    err = _usage_error(capsys, ["gateway", "--api-key", SECRET])
-    assert "unrecognized arguments: --api-key" in err
+    # --api-keys must not be read as --api-keys-file (which would then print the key as a path).
+    err = _usage_error(capsys, ["gateway", "--api-keys", SECRET])
+    assert "unrecognized arguments: --api-keys" in err
     _usage_error(capsys, ["up", "--prefil", "2"])
 
 

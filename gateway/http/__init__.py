@@ -3,11 +3,13 @@
     POST /v1/chat/completions, POST /v1/completions   (stream or whole; OpenAI's shapes)
     POST /v1/feedback                                 (a client's score of a request, for A/B experiments)
     GET  /v1/models, /v1/models/{id}, /v1/experiments, /health, /metrics, /   (the chat page)
+    POST /tokenize, /detokenize; GET /version         (vLLM's utility endpoints)
 
 Modules: `app` (routes, server start/stop), `handlers` (endpoints over the `deployments.Catalog`),
 `openai_schema` (OpenAI JSON <-> the gateway's dataclasses), `sse` (event framing),
-`errors` (OpenAI error JSON, one status mapping), `static/index.html` (the page).
-See docs/http-api.md.
+`errors` (OpenAI error JSON, one status mapping), `tools` (tool calling), `utility` (tokenize,
+detokenize, version), `cors` (--allowed-origins), `static/index.html` (the page).
+See docs/http-api.md and docs/http-surface.md.
 """
 
 from gateway.http.app import HttpServer, create_app, start_http

@@ -8,11 +8,22 @@ connecting (or of its last response), else it is closed. That is aiohttp's keep-
 starts when the connection opens and closes it if it is still waiting for a request head when the
 timer fires (bytes of a half-sent head do not reset it); a running request is never cut by it.
 The body has its own bound (handlers, --http-body-timeout-s).
+
+Around every handler, outermost first (docs/http-surface.md):
+  `trace_requests`  the request's SERVER span, continuing the caller's W3C `traceparent` (tracing on);
+  `count_requests`  pdserve_gateway_http_requests_total{route,status};
+  CORS preflights   answered before the API-key check (gateway.http.cors; --allowed-origins);
+  `openai_errors`   every failure as OpenAI error JSON;
+  the API keys      (gateway.auth), for everything but /health and the chat page.
+As each response is prepared (errors and SSE streams alike) it gets its `X-Request-Id`: the one the
+handler set (a completion's), else the client's own when valid, else a fresh one; and, with CORS
+on, the CORS headers of an allowed origin.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -22,14 +33,20 @@ from gateway import auth
 from gateway.deadlines import Deadlines
 from gateway.deployments import Catalog, as_catalog
 from gateway.flow import RequestFlow
+from gateway.http import cors
 from gateway.http.errors import Handler, openai_errors
-from gateway.http.handlers import ApiHandlers
+from gateway.http.handlers import REQUEST_ID_HEADER, ApiHandlers
+from gateway.http.utility import UtilityHandlers
+from gateway.observe import http_server_span, set_http_status
+from gateway.request_ids import new_id
 from gateway.request_limits import RequestLimits
 from gateway.slo import SloMonitor
 from pdserve.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
+# Requests to these start a trace of their own; others (/health, /metrics, the page) only continue one.
+TRACED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 HTTP_REQUESTS = Counter("pdserve_gateway_http_requests", "HTTP API requests answered, by route and status",
                         ["route", "status"])
 
@@ -43,19 +60,55 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
     return response
 
 
+@web.middleware
+async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's SERVER span (gateway.observe.http_server_span) when tracing is on and the request
+    is traced: one of the API's (not /health, /metrics or the page) or one that sent a traceparent."""
+    if "traceparent" not in request.headers and not request.path.startswith(TRACED_PREFIXES):
+        return await handler(request)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else request.path
+    with http_server_span(request.method, route, request.headers) as span:
+        response = await handler(request)
+        if span is not None:
+            set_http_status(span, response.status)
+        return response
+
+
+def request_id_hook(max_chars: int):  # -> an on_response_prepare signal handler
+    """Gives every response an X-Request-Id: the handler's own (completions set theirs), else the
+    client's when it is 1..`max_chars` printable ASCII characters (--max-id-chars), else a new one."""
+    valid = re.compile(rf"[\x20-\x7e]{{1,{max_chars}}}")
+
+    async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+        if REQUEST_ID_HEADER in response.headers:
+            return
+        sent = request.headers.get(REQUEST_ID_HEADER, "").strip()
+        response.headers[REQUEST_ID_HEADER] = sent if valid.fullmatch(sent) else new_id()
+    return add_request_id
+
+
 def create_app(catalog: Catalog | RequestFlow, model_name: str = "default", slo: SloMonitor | None = None, *,
                limits: RequestLimits | None = None, deadlines: Deadlines | None = None,
-               keys: auth.KeyRing | None = None) -> web.Application:
+               keys: auth.KeyRing | None = None, cors_config: cors.CorsConfig | None = None) -> web.Application:
     """The HTTP API over `catalog` (its public names are what clients send as `model`; a bare flow is
     one deployment called `model_name`); its requests' TTFTs feed `slo` (pass the gRPC servicer's,
     so one SLO window sees both APIs). `limits` (body size, ids, body timeout) and `deadlines` (each
-    request's bound) are the gateway's settings (default: theirs); `keys` the API keys (None: off)."""
+    request's bound) are the gateway's settings (default: theirs); `keys` the API keys (None: off);
+    `cors_config` the origins whose pages may call it (None: CORS off)."""
     limits = limits or RequestLimits()
-    h = ApiHandlers(as_catalog(catalog, model_name), slo, limits=limits, deadlines=deadlines)
-    # count_requests sits outside openai_errors, so it sees the error responses too.
-    # API keys (gateway.auth) inside openai_errors: refusals are OpenAI error JSON too.
-    app = web.Application(middlewares=[count_requests, openai_errors, *auth.http_middlewares(keys)],
+    cors_config = cors_config or cors.CorsConfig()
+    catalog = as_catalog(catalog, model_name)
+    h = ApiHandlers(catalog, slo, limits=limits, deadlines=deadlines)
+    u = UtilityHandlers(catalog, limits)
+    # count_requests sits outside openai_errors, so it sees the error responses too; the CORS
+    # preflight outside the API keys (a preflight carries none). API keys (gateway.auth) inside
+    # openai_errors: refusals are OpenAI error JSON too.
+    app = web.Application(middlewares=[trace_requests, count_requests, *cors.middlewares(cors_config),
+                                       openai_errors, *auth.http_middlewares(keys)],
                           client_max_size=limits.max_request_bytes)
+    app.on_response_prepare.append(request_id_hook(limits.max_id_chars))
+    cors.install(app, cors_config)
     app.router.add_post("/v1/chat/completions", h.chat_completions)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_get("/v1/models", h.models)
@@ -63,6 +116,9 @@ def create_app(catalog: Catalog | RequestFlow, model_name: str = "default", slo:
     app.router.add_post("/v1/feedback", h.feedback)
     app.router.add_get("/v1/experiments", h.experiments)
     app.router.add_get("/health", h.health)
+    app.router.add_post("/tokenize", u.tokenize)
+    app.router.add_post("/detokenize", u.detokenize)
+    app.router.add_get("/version", u.version_info)
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/", h.index)
     return app

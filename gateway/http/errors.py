@@ -6,7 +6,10 @@
 ValueError (bad prompt, bad sampling value) -> 400, `ServiceError` by its gRPC code
 (RESOURCE_EXHAUSTED -> 429, ALREADY_EXISTS -> 409, UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504, ...), aiohttp's own
 HTTP errors (unknown route, wrong method, body too large) keep their status; anything else is
-logged with its traceback here and answered 500 without one. The `openai_errors` middleware
+logged with its traceback here and answered 500 without one. A ServiceError's message names the
+workers it involved ("decode worker 10.0.3.7:50052 ..."): the client gets it with every address
+replaced (`public_message`; the deployment's topology is not the client's business), the gateway's
+log keeps the original. The `openai_errors` middleware
 applies it to every response that has not started; a stream that has started reports the same
 body as an SSE event (see `handlers`).
 """
@@ -17,6 +20,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -64,15 +68,31 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 _RETRY_AFTER_S = {429: "1", 503: "1"}
 
 
+# host:port, [v6]:port, and gRPC's ipv4:/ipv6:/dns:/// target forms: how worker addresses appear
+# in the flow's and grpc's messages.
+_ADDRESS = re.compile(r"(?:(?:ipv4|ipv6|dns|unix):(?://[^/\s]*/)?)?"
+                      r"(?:\[[0-9A-Fa-f:.%]+\]|\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z0-9-]*[A-Za-z][A-Za-z0-9.-]*)"
+                      r":\d{1,5}\b")
+ADDRESS_PLACEHOLDER = "<internal>"
+
+
+def public_message(message: str) -> str:
+    """`message` with every network address replaced, for a client's eyes."""
+    return _ADDRESS.sub(ADDRESS_PLACEHOLDER, message)
+
+
 def api_error_of(exc: BaseException) -> ApiError:
     """The ApiError for anything raised while serving a request (logs the unexpected ones)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ServiceError):
         status, type_, code = _GRPC_TO_HTTP.get(exc.code, (500, "server_error", "internal_error"))
+        message = public_message(str(exc))
         if status == 500:
             log.warning("request failed with %s: %s", exc.code.name, exc)
-        return ApiError(status, str(exc), type=type_, code=code, headers=_retry_after(status, exc.retry_after_s))
+        elif message != str(exc):
+            log.info("request failed with %s: %s", exc.code.name, exc)  # the detail the client does not get
+        return ApiError(status, message, type=type_, code=code, headers=_retry_after(status, exc.retry_after_s))
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc) or "invalid request")
     if isinstance(exc, web.HTTPException):
@@ -92,7 +112,8 @@ def _retry_after(status: int, hint_s: float | None = None) -> dict[str, str]:
 def _of_http_exception(exc: web.HTTPException) -> ApiError:
     """aiohttp's routing and body-size errors, with a message that says what to do instead."""
     if isinstance(exc, web.HTTPNotFound):
-        message = "no such endpoint; the API serves /v1/chat/completions, /v1/completions and /v1/models"
+        message = ("no such endpoint; the API serves /v1/chat/completions, /v1/completions, /v1/models, "
+                   "/tokenize, /detokenize, /version and /health")
         return ApiError(404, message, code="unknown_url")
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))

@@ -1,18 +1,29 @@
-"""OpenAI request JSON -> `GenerationRequest`, and `OutputChunk`s -> OpenAI response JSON.
+"""OpenAI request JSON -> `ApiRequest` (one `GenerationRequest` per prompt), and `OutputChunk`s ->
+OpenAI response JSON.
 
 Parsing checks every field it reads and raises `ApiError` 400 naming the field (`param`), so a
 client learns exactly what to fix. Fields that would change the answer but that pdserve cannot
-honour (n > 1, tools, logprobs, penalties, ...) are refused rather than silently ignored; fields
+honour (tools, audio, suffix, best_of > 1, ...) are refused rather than silently ignored; fields
 that do not change the answer (metadata, store, ...) and unknown ones are ignored, as vLLM does.
-vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`) are accepted too. `user` becomes the session id (routing affinity).
+docs/http-api.md lists every field with its status.
+
+Beyond OpenAI's own fields: vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`) and its structured-output fields (`guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`, `structured_outputs`); each structured spec is compiled here by
+llguidance (`structured_output.check`), so a spec the workers could not enforce is a 400 naming
+its field. `user` becomes the session id (routing affinity).
 
 Response builders produce exactly OpenAI's shapes: `chat.completion` / `text_completion`
-objects, and for streams `chat.completion.chunk` / `text_completion` chunks.
+objects, and for streams `chat.completion.chunk` / `text_completion` chunks, n choices each with
+its `index`, logprobs in each endpoint's own shape, and a `system_fingerprint` on every object.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,47 +31,80 @@ from typing import Any, Literal
 
 from gateway.flow import GenerationRequest
 from gateway.http.errors import ApiError
-from gateway.output import Usage
+from gateway.http.tools import (Delta, ParsedOutput, ToolCallParser, ToolRequest, finish_reason_for, history_message,
+                                message_json, parse_tools, structured_for, tags_are_tokens, template_tools)
+from gateway.output import LogprobText, OutputChunk, TokenTexts, Usage
 from gateway.request_ids import new_id
-from pdserve.runtime.sampling_params import SamplingParams
+from pdserve import __version__
+from pdserve.runtime.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from pdserve.runtime.structured_output import StructuredOutput, check
 
 Kind = Literal["chat", "completion"]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 INT32_MAX = 2**31 - 1  # top_k and token ids travel to the workers as protobuf int32
+MAX_N = 16  # choices per prompt: each is a sequence on a decode worker, sharing the prompt's blocks
+MAX_CHOICES = 64  # prompts x n of one request: each choice holds one of the gateway's in-flight slots
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's limit; the workers' too)
+MIN_LOGPROB = -9999.0  # what a -inf logprob (a token no one could sample) is sent as: JSON has no -inf
 
-# Fields pdserve cannot honour, with the values that mean "not used" (sent by some SDKs anyway).
-_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+# Fields pdserve cannot honour: (the values that mean "not used", sent by some SDKs anyway; why not).
+_UNSUPPORTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "the deprecated functions field is not supported; send tools"),
+    "function_call": ((None, "none", "auto"), "the deprecated function_call field is not supported; send tool_choice"),
+    "audio": ((None,), "the served models are text only"),
+    "modalities": ((None, ["text"]), "the served models are text only"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "echo": ((None, False), "echo is a /v1/completions field"),
 }
-_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, 0), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+_UNSUPPORTED_COMPLETION: dict[str, tuple[tuple[Any, ...], str]] = {
+    "suffix": ((None, ""), "suffix (fill in the middle) is not supported by the served models"),
+    "best_of": ((None, 1), "best_of > 1 (server-side ranking of candidates) is not supported; "
+                           "ask for n choices with logprobs and rank them yourself"),
 }
+# The fields that each name what the output must match (one at most per request).
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+
+Prompt = str | tuple[int, ...]  # text, or token ids a client sent
 
 
 @dataclass(frozen=True, slots=True)
 class ApiRequest:
-    """One parsed /v1/chat/completions or /v1/completions request."""
+    """One parsed /v1/chat/completions or /v1/completions request: one GenerationRequest per
+    prompt (a chat and most completions have one), each to be answered `n` times."""
 
     kind: Kind
     model: str
-    request: GenerationRequest  # its sampling.max_tokens is a placeholder when max_tokens is None
+    # Their sampling.max_tokens is a placeholder when max_tokens is None; their seed is choice 0's.
+    requests: tuple[GenerationRequest, ...]
     max_tokens: int | None  # None: whatever room the context window leaves after the prompt
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token (chat top_logprobs, completions logprobs); None: off
+    echo: bool = False  # completions: the prompt's text before each choice's text
+    tools: ToolRequest | None = None  # chat: the tools the model may call (gateway.http.tools)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def request(self) -> GenerationRequest:
+        """The first prompt's request: its ids name the whole response."""
+        return self.requests[0]
 
     @property
     def response_id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request.public_id
 
-    @property
-    def prompt_param(self) -> str:
-        """The field that holds the prompt, for errors about it."""
-        return "messages" if self.kind == "chat" else "prompt"
+    def prompt_param(self, index: int = 0) -> str:
+        """The field that holds prompt `index`, for errors about it."""
+        if self.kind == "chat":
+            return "messages"
+        return "prompt" if len(self.requests) == 1 else f"prompt[{index}]"
+
+    def with_client_id(self, client_id: str) -> ApiRequest:
+        """Every prompt's request carrying the client's request id (X-Request-Id)."""
+        return dataclasses.replace(self, requests=tuple(
+            dataclasses.replace(r, client_request_id=client_id) for r in self.requests))
 
 
 def parse_chat(body: Any) -> ApiRequest:
@@ -71,36 +115,67 @@ def parse_chat(body: Any) -> ApiRequest:
     max_tokens = _optional_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", 1)
-    return _api_request("chat", body, max_tokens, messages=messages)
+    api = _api_request("chat", body, max_tokens, _chat_logprobs(body), prompts=("",), messages=messages)
+    return dataclasses.replace(api, tools=parse_tools(body))
+
+
+def with_tools(api: ApiRequest, tokenizer: Any) -> ApiRequest:
+    """`api` ready for the routed model: its tools rendered by the model's chat template (400 when
+    the template has none), and tool_choice "required" or a named function enforced as a grammar
+    on the answer (which cannot be combined with another constraint)."""
+    if api.tools is None:
+        return api
+    rendered = template_tools(api.tools, tokenizer.supports_tools)
+    constraint = structured_for(api.tools, tags_are_tokens(tokenizer))
+    requests = []
+    for req in api.requests:
+        sampling = req.sampling
+        if constraint is not None:
+            if sampling.structured is not None:
+                raise ApiError(400, 'tool_choice "required" or a named function cannot be combined with '
+                                    "response_format or guided_* (both constrain the answer)", param="tool_choice")
+            sampling = dataclasses.replace(sampling, structured=constraint)
+        requests.append(dataclasses.replace(req, tools=rendered, sampling=sampling))
+    return dataclasses.replace(api, requests=tuple(requests))
 
 
 def parse_completion(body: Any) -> ApiRequest:
     """A /v1/completions body; ApiError 400 naming the bad field."""
     body = _object(body)
     _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
-    return _api_request("completion", body, _optional_int(body, "max_tokens", 1), prompt=_prompt(body.get("prompt")))
+    logprobs = _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = _optional_bool(body, "echo") or False
+    if echo and logprobs is not None:
+        raise ApiError(400, "echo with logprobs would need the prompt's logprobs, which pdserve's workers do not "
+                            "compute; send echo or logprobs, not both", param="echo", code="unsupported_parameter")
+    api = _api_request("completion", body, _optional_int(body, "max_tokens", 1), logprobs,
+                       prompts=_prompts(body.get("prompt")))
+    return dataclasses.replace(api, echo=echo)
 
 
-def _api_request(kind: Kind, body: Mapping[str, Any], max_tokens: int | None, *, prompt: str = "",
-                 messages: tuple[Mapping[str, str], ...] | None = None) -> ApiRequest:
+def _api_request(kind: Kind, body: Mapping[str, Any], max_tokens: int | None, logprobs: int | None, *,
+                 prompts: Sequence[Prompt], messages: tuple[Mapping[str, str], ...] | None = None) -> ApiRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the id of a model from GET /v1/models", param="model")
-    n = _optional_int(body, "n", 1)
-    if n not in (None, 1):
-        raise ApiError(400, f"n must be 1 (pdserve returns one choice per request), got {n}", param="n")
+    n = _optional_int(body, "n", 1, MAX_N) or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} make {n * len(prompts)} choices; at most "
+                            f"{MAX_CHOICES} per request: send fewer prompts or a smaller n", param="n")
     stream = _optional_bool(body, "stream") or False
     include_usage = _include_usage(body.get("stream_options"), stream)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, "user must be a string", param="user")
-    sampling = _sampling(body, max_tokens or 1)
-    request = GenerationRequest(new_id(), sampling, prompt=prompt, messages=messages,
-                                session_id=user or "")
-    return ApiRequest(kind, model, request, max_tokens, stream, include_usage)
+    sampling = _sampling(body, max_tokens or 1, logprobs, n)
+    requests = tuple(
+        GenerationRequest(new_id(), sampling, prompt=p if isinstance(p, str) else "", messages=messages,
+                          session_id=user or "", prompt_ids=None if isinstance(p, str) else p)
+        for p in prompts)
+    return ApiRequest(kind, model, requests, max_tokens, stream, include_usage, n, logprobs)
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: int | None, n: int) -> SamplingParams:
     temperature = _optional_number(body, "temperature", 0.0, 2.0)
     top_p = _optional_number(body, "top_p", 0.0, 1.0)
     if top_p == 0:
@@ -113,22 +188,148 @@ def _sampling(body: Mapping[str, Any], max_tokens: int) -> SamplingParams:
             max_tokens=max_tokens,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
-            seed=_seed(body),
+            seed=_seed(body, n),
             stop=_stop(body.get("stop")),
             top_k=0 if top_k in (None, -1) else top_k,
             min_p=_optional_number(body, "min_p", 0.0, 1.0) or 0.0,
             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
             ignore_eos=_optional_bool(body, "ignore_eos") or False,
             stop_token_ids=_int_list(body, "stop_token_ids"),
+            # The workers send the sampled token's logprob only with at least one alternative:
+            # top_logprobs 0 asks for one, and the response leaves it out.
+            logprobs=0 if logprobs is None else max(logprobs, 1),
+            presence_penalty=_optional_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+            frequency_penalty=_optional_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+            logit_bias=_logit_bias(body.get("logit_bias")),
+            structured=_structured(body),
         )
     except ValueError as err:  # a combination SamplingParams refuses; its message names the field
         raise ApiError(400, str(err)) from None
 
 
-def _seed(body: Mapping[str, Any]) -> int | None:
-    seed = _optional_int(body, "seed", 0)  # the workers take an unsigned 64-bit seed
-    if seed is not None and seed >= 1 << 64:
-        raise ApiError(400, f"seed must be below 2**64, got {seed}", param="seed")
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Alternatives per token of a chat (top_logprobs, 0 by default), None when logprobs is off."""
+    wanted = _optional_bool(body, "logprobs") or False
+    top = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not wanted:  # 0 without logprobs asks for nothing: some SDKs send it
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}; the ids are checked against the vocabulary once the model is known."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(400, 'logit_bias must be an object of token ids to biases, e.g. {"50256": -100}',
+                       param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal strings), got {key!r}",
+                           param="logit_bias")
+        if (isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias)
+                or not -100 <= bias <= 100):
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number from -100 to 100, got {bias!r}",
+                           param="logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
+# ---- structured output -----------------------------------------------------------------------
+
+def _structured(body: Mapping[str, Any]) -> StructuredOutput | None:
+    """The one spec the output must match, compiled by llguidance; 400 naming the field when it
+    does not compile or when two fields ask for one."""
+    found = [(name, spec) for name in STRUCTURED_FIELDS
+             if body.get(name) is not None and (spec := _structured_field(name, body[name])) is not None]
+    if len(found) > 1:
+        raise ApiError(400, f"{found[0][0]} and {found[1][0]} both constrain the output; send one of them",
+                       param=found[1][0])
+    if not found:
+        return None
+    name, spec = found[0]
+    try:
+        check(spec)
+    except ValueError as err:
+        raise ApiError(400, f"{name}: {err}", param=name) from None
+    return spec
+
+
+def _structured_field(name: str, value: Any) -> StructuredOutput | None:
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            return _structured_outputs(value)
+        return _guided(name.removeprefix("guided_"), value, name)
+    except ValueError as err:  # StructuredOutput's own checks (a spec too large)
+        raise ApiError(400, f"{name}: {err}", param=name) from None
+
+
+def _response_format(value: Any) -> StructuredOutput | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise ApiError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                       param="response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+        raise ApiError(400, "response_format.json_schema must be an object whose schema is a JSON schema object",
+                       param="response_format.json_schema")
+    for key, kind_ in (("name", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind_):
+            raise ApiError(400, f"response_format.json_schema.{key} must be a {kind_.__name__}",
+                           param=f"response_format.json_schema.{key}")
+    # strict or not, the output is held to the schema: llguidance enforces it token by token
+    return StructuredOutput("json_schema", json.dumps(spec.get("schema", {})))
+
+
+def _structured_outputs(value: Any) -> StructuredOutput | None:
+    """Newer vLLM's structured_outputs: one of json, regex, choice, grammar (or json_object: true)."""
+    if not isinstance(value, dict):
+        raise ApiError(400, "structured_outputs must be an object with one of json, regex, choice, grammar",
+                       param="structured_outputs")
+    keys = [k for k in ("json", "regex", "choice", "grammar") if value.get(k) is not None]
+    if value.get("json_object") is True:
+        keys.append("json_object")
+    if len(keys) != 1:
+        raise ApiError(400, f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                            f"json_object; got {keys or 'none'}", param="structured_outputs")
+    if keys[0] == "json_object":
+        return StructuredOutput("json_object")
+    return _guided(keys[0], value[keys[0]], f"structured_outputs.{keys[0]}")
+
+
+def _guided(kind: str, value: Any, param: str) -> StructuredOutput:
+    """vLLM's guided_json (a schema object or its JSON text), guided_regex, guided_choice, guided_grammar."""
+    if kind == "json":
+        if isinstance(value, dict | bool):
+            return StructuredOutput("json_schema", json.dumps(value))
+        if isinstance(value, str):
+            return StructuredOutput("json_schema", value)
+        raise ApiError(400, f"{param} must be a JSON schema (an object, or its JSON text)", param=param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ApiError(400, f"{param} must be a non-empty array of strings", param=param)
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{param} must be a non-empty string", param=param)
+    return StructuredOutput("regex" if kind == "regex" else "grammar", value)
+
+
+def _seed(body: Mapping[str, Any], n: int) -> int | None:
+    seed = _optional_int(body, "seed", 0)  # the workers take an unsigned 64-bit seed; choice i gets seed + i
+    if seed is not None and seed + n - 1 >= 1 << 64:
+        raise ApiError(400, f"seed must be below 2**64 - n + 1 (choice i samples with seed + i), got {seed}",
+                       param="seed")
     return seed
 
 
@@ -145,13 +346,16 @@ def _include_usage(options: Any, stream: bool) -> bool:
     return value
 
 
-def _messages(value: Any) -> tuple[Mapping[str, str], ...]:
+def _messages(value: Any) -> tuple[Mapping[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise ApiError(400, "messages must be a non-empty array of {role, content} objects", param="messages")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role", param=f"messages[{i}]")
+        if (turn := history_message(m, i)) is not None:  # a tool result, or an assistant's tool calls
+            out.append(turn)
+            continue
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
         out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}].content")})
     return tuple(out)
@@ -175,16 +379,31 @@ def _content(value: Any, param: str) -> str:
     raise ApiError(400, f"{param} must be a string or an array of text parts", param=param)
 
 
-def _prompt(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]  # a batch of one is a prompt
+def _prompts(value: Any) -> tuple[Prompt, ...]:
+    """The prompts of a completions request: a string, token ids, or an array of either (a batch:
+    one choice per prompt). Token ids are checked against the vocabulary once the model is known."""
     if isinstance(value, str):
-        return value
+        return (value,)
+    if _is_ids(value):
+        return (_ids(value, "prompt"),)
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        raise ApiError(400, f"prompt has {len(value)} prompts; send one prompt per request", param="prompt")
-    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
-        raise ApiError(400, "prompt as token ids is not supported; send text", param="prompt")
-    raise ApiError(400, "prompt must be a string", param="prompt")
+        return tuple(value)
+    if isinstance(value, list) and value and all(_is_ids(v) for v in value):
+        return tuple(_ids(v, f"prompt[{i}]") for i, v in enumerate(value))
+    raise ApiError(400, "prompt must be a string, an array of strings, an array of token ids or an array of "
+                        "arrays of token ids", param="prompt")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _ids(value: list[int], param: str) -> tuple[int, ...]:
+    if not value:
+        raise ApiError(400, f"{param} is an empty array of token ids", param=param)
+    if not all(0 <= v <= INT32_MAX for v in value):
+        raise ApiError(400, f"{param}: token ids must be from 0 to the vocabulary's size", param=param)
+    return tuple(value)
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -198,11 +417,11 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _refuse_unsupported(body: Mapping[str, Any], unsupported: Mapping[str, tuple[Any, ...]]) -> None:
-    for name, unused in unsupported.items():
+def _refuse_unsupported(body: Mapping[str, Any], unsupported: Mapping[str, tuple[tuple[Any, ...], str]]) -> None:
+    for name, (unused, why) in unsupported.items():
         value = body.get(name)
         if not any(value == u and type(value) is type(u) for u in unused):
-            raise ApiError(400, f"{name} is not supported by pdserve; leave it out", param=name,
+            raise ApiError(400, f"{name} is not supported by pdserve ({why}); leave it out", param=name,
                            code="unsupported_parameter")
 
 
@@ -266,52 +485,143 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def total_usage(usages: Sequence[tuple[Usage, bool]]) -> Usage:
+    """The usage of a response as OpenAI counts it: every choice's completion tokens, each prompt
+    once (the usage of its first choice, which `leads` marks); n choices share a prompt."""
+    return Usage(sum(u.prompt_tokens for u, leads in usages if leads),
+                 sum(u.completion_tokens for u, _ in usages),
+                 sum(u.cached_tokens for u, leads in usages if leads))
+
+
 def finish_reason_json(reason: str) -> str:
     # The flow's "abort" (ended without a worker's reason) has no OpenAI name; the text did stop.
-    return reason if reason in ("stop", "length") else "stop"
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
 
 
-def completion_json(api: ApiRequest, model: str, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+def system_fingerprint(deployment: str, model_fingerprint: str) -> str:
+    """OpenAI's system_fingerprint: names what answered (the deployment, its weights and config, and
+    pdserve's version), so a client sees when the same request may start to answer differently."""
+    digest = hashlib.sha256(f"{deployment}\0{model_fingerprint}\0pdserve {__version__}".encode()).hexdigest()
+    return "fp_" + digest[:12]
+
+
+class ChoiceOutput:
+    """One choice of a response as it arrives: its text (the prompt's first when echoed), finish
+    reason, usage and the logprobs of its tokens in its endpoint's shape."""
+
+    def __init__(self, api: ApiRequest, index: int, texts: TokenTexts | None, echo: str = "") -> None:
+        self.kind = api.kind
+        self.index = index
+        self._texts = texts  # None when no logprobs were asked for
+        self._top = api.logprobs or 0
+        self.echo = echo
+        self.parts: list[str] = [echo] if echo else []
+        self.offset = len(echo)  # characters so far: completions' text_offset of the next token
+        self.logprobs: list[tuple[LogprobText, int]] = []  # (token, its text_offset)
+        self.finish_reason = ""
+        self.usage: Usage | None = None
+        # An answer read for tool calls: its text goes through the parser, which streams content
+        # and tool-call deltas; `parsed` is the whole answer once it has finished.
+        self.parser = ToolCallParser() if api.kind == "chat" and api.tools is not None and api.tools.parses else None
+        self.deltas: list[Delta] = []  # the parser's deltas of the last chunk added
+        self.parsed: ParsedOutput | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, chunk: OutputChunk) -> list[tuple[LogprobText, int]]:
+        """Take in one chunk; returns the logprobs of its tokens."""
+        self.parts.append(chunk.text)
+        new = []
+        if self._texts is not None:
+            for lp in chunk.logprobs:
+                entry = self._texts.add(lp, self._top)
+                new.append((entry, self.offset))
+                self.offset += len(entry.text)
+        self.logprobs.extend(new)
+        if self.parser is not None:
+            self.deltas = self.parser.feed(chunk.text)
+        if chunk.finish_reason:
+            self.finish_reason, self.usage = chunk.finish_reason, chunk.usage
+            if self.parser is not None:
+                self.parsed = self.parser.finish()
+                self.deltas += self.parsed.deltas
+                self.finish_reason = finish_reason_for(chunk.finish_reason, self.parsed)
+        return new
+
+    def logprobs_json(self, entries: Sequence[tuple[LogprobText, int]] | None = None) -> dict[str, Any] | None:
+        """`entries` (default: all so far) as chat's {"content": [...]} or completions' parallel
+        arrays; None when no logprobs were asked for."""
+        if self._texts is None:
+            return None
+        entries = self.logprobs if entries is None else entries
+        if self.kind == "chat":
+            return {"content": [{**_token_json(e), "top_logprobs": [_token_json(t) for t in e.top]}
+                                for e, _ in entries], "refusal": None}
+        return {"tokens": [e.text for e, _ in entries],
+                "token_logprobs": [_logprob(e.logprob) for e, _ in entries],
+                # OpenAI's dicts hold the sampled token too: up to logprobs + 1 entries
+                "top_logprobs": [{**{t.text: _logprob(t.logprob) for t in e.top}, e.text: _logprob(e.logprob)}
+                                 for e, _ in entries],
+                "text_offset": [offset for _, offset in entries]}
+
+
+def _token_json(e: LogprobText) -> dict[str, Any]:
+    return {"token": e.text, "logprob": _logprob(e.logprob), "bytes": list(e.bytes)}
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
+
+
+def completion_json(api: ApiRequest, model: str, fingerprint: str, choices: Sequence[ChoiceOutput],
+                    usage: Usage) -> dict[str, Any]:
     """The whole (non-streamed) chat.completion or text_completion object."""
-    reason = finish_reason_json(finish_reason)
-    if api.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": api.response_id, "object": obj, "created": api.created, "model": model,
-            "choices": [choice], "usage": usage_json(usage)}
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        reason = finish_reason_json(c.finish_reason)
+        if api.kind == "chat":
+            message = message_json(c.parsed) if c.parsed is not None else {"role": "assistant", "content": c.text}
+            out.append({"index": c.index, "message": message, "logprobs": c.logprobs_json(), "finish_reason": reason})
+        else:
+            out.append({"index": c.index, "text": c.text, "logprobs": c.logprobs_json(), "finish_reason": reason})
+    return {"id": api.response_id, "object": "chat.completion" if api.kind == "chat" else "text_completion",
+            "created": api.created, "model": model, "system_fingerprint": fingerprint, "choices": out,
+            "usage": usage_json(usage)}
 
 
-def chunk_json(api: ApiRequest, model: str, *, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None) -> dict[str, Any]:
-    """One streamed chunk with one choice: the role (chat), a text delta, or the finish reason."""
+def chunk_json(api: ApiRequest, model: str, fingerprint: str, *, index: int = 0, text: str | None = None,
+               role: bool = False, finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk with one choice: the role (chat), a text delta (with its tokens'
+    logprobs when asked), a chat `delta` as given (tool calls: gateway.http.tools.delta_json), or
+    the finish reason."""
     reason = finish_reason_json(finish_reason) if finish_reason else None
     if api.kind == "chat":
-        delta: dict[str, Any] = {}
+        delta_: dict[str, Any] = {}
         if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
+            delta_["role"] = "assistant"
+            delta_["content"] = ""
         if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            delta_["content"] = text
+        delta_.update(delta or {})
+        choice: dict[str, Any] = {"index": index, "delta": delta_, "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    return _chunk_envelope(api, model, [choice], None)
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+    return _chunk_envelope(api, model, fingerprint, [choice], None)
 
 
-def usage_chunk_json(api: ApiRequest, model: str, usage: Usage) -> dict[str, Any]:
+def usage_chunk_json(api: ApiRequest, model: str, fingerprint: str, usage: Usage) -> dict[str, Any]:
     """The extra last chunk of stream_options.include_usage: no choices, the usage."""
-    return _chunk_envelope(api, model, [], usage_json(usage))
+    return _chunk_envelope(api, model, fingerprint, [], usage_json(usage))
 
 
-def _chunk_envelope(api: ApiRequest, model: str, choices: Sequence[dict[str, Any]],
+def _chunk_envelope(api: ApiRequest, model: str, fingerprint: str, choices: Sequence[dict[str, Any]],
                     usage: dict[str, Any] | None) -> dict[str, Any]:
     obj = "chat.completion.chunk" if api.kind == "chat" else "text_completion"
     out: dict[str, Any] = {"id": api.response_id, "object": obj, "created": api.created, "model": model,
-                           "choices": list(choices)}
+                           "system_fingerprint": fingerprint, "choices": list(choices)}
     if api.include_usage:
         out["usage"] = usage  # null on every chunk but the last, as OpenAI does
     return out

@@ -7,7 +7,10 @@ finds the workers healthy) and waits for it too. It then prints exactly one line
     pdserve ready: grpc=127.0.0.1:50051 http=127.0.0.1:8000 prefill=[...] decode=[...] kvstore=...
 
 `http=` is where the gateway serves the OpenAI-compatible HTTP API and the chat page
-(--http-port; `http=off` when it is 0).
+(--http-port, alias --port; `http=off` when it is 0).
+
+The gateway's --allowed-origins, --api-key, --api-keys-file and --max-model-len are `up`'s too, and
+are handed on to the gateway (the keys in its environment, out of `ps`): docs/http-surface.md.
 
 With --config FILE it starts every deployment of the file instead (each with its own kvstore,
 prefill and decode workers; see `pdserve.deploy_plan` and docs/experiments.md) and one gateway over
@@ -47,8 +50,13 @@ NAME = "up"
 HELP = "run kvstore, prefill and decode workers and the gateway as local child processes"
 
 
+# GatewayConfig settings `up` takes as the gateway's flags and hands on to it.
+FORWARDED_GATEWAY_SETTINGS = ("allowed_origins", "api_keys", "api_keys_file", "max_model_len")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gateway.config import GatewayConfig
+    from pdserve.config_flags import add_flags
     from kvstore.config import KVStoreConfig
     from pdserve.engine_args import add_dtype_args
 
@@ -63,11 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_args(p)  # --dtype, --kv-dtype, --weight-format
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
-    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on (gRPC and HTTP)")
     p.add_argument("--grpc-port", type=int, default=int(gateway.bind.rsplit(":", 1)[1]),
                    help="the gateway's gRPC port (default: %(default)s)")
-    p.add_argument("--http-port", type=int, default=gateway.http_port,
+    p.add_argument("--http-port", "--port", type=int, default=gateway.http_port,
                    help="the gateway's OpenAI-compatible HTTP API and chat page (0 disables it; default: %(default)s)")
+    # The gateway's own flags, forwarded to it (`_with_gateway_surface`): one definition, one default.
+    add_flags(p, GatewayConfig, only=FORWARDED_GATEWAY_SETTINGS)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: torch's default)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
@@ -129,7 +139,8 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
         workers, gateway = plan_config(args)
         if args.metrics_port_base:
             workers, gateway = _with_metrics_ports([*workers, gateway], args.metrics_port_base)
-        return _with_cluster_secrets(workers, gateway, getattr(args, "internal_token", True))
+        return _with_cluster_secrets(workers, _with_gateway_surface(args, gateway),
+                                     getattr(args, "internal_token", True))
     from gateway import deadlines, disagg
     from pdserve.engine_args import resolved_dtypes
 
@@ -162,7 +173,32 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
         *disagg.gateway_flags(args, args.max_batch_size), *deadlines.gateway_flags(args)))
     if args.metrics_port_base:
         workers, gateway = _with_metrics_ports([*workers, gateway], args.metrics_port_base)
-    return _with_cluster_secrets(workers, gateway, getattr(args, "internal_token", True))
+    return _with_cluster_secrets(workers, _with_gateway_surface(args, gateway), getattr(args, "internal_token", True))
+
+
+def gateway_settings(args: argparse.Namespace):  # -> gateway.config.GatewayConfig
+    """The gateway settings given to `up` on its command line (not its environment: the gateway
+    reads that itself); ValueError naming the flag when one is bad."""
+    from gateway.config import GatewayConfig
+
+    return GatewayConfig.from_args(args, {})
+
+
+def _with_gateway_surface(args: argparse.Namespace, gateway: ChildSpec) -> ChildSpec:
+    """The gateway's command with the FORWARDED_GATEWAY_SETTINGS given to `up`; API keys travel in
+    its environment (PDSERVE_API_KEY), not on its command line where `ps` would show them."""
+    from gateway.config import KEY_ENV
+
+    settings = gateway_settings(args)
+    flags: list[str] = []
+    if settings.allowed_origins:
+        flags += ["--allowed-origins", ",".join(settings.cors.origins)]
+    if settings.api_keys_file:
+        flags += ["--api-keys-file", settings.api_keys_file]
+    if settings.max_model_len is not None:
+        flags += ["--max-model-len", str(settings.max_model_len)]
+    env = ((KEY_ENV, ",".join(settings.api_keys)),) if settings.api_keys else ()
+    return replace(gateway, command=(*gateway.command, *flags), env=(*gateway.env, *env))
 
 
 def cluster_secret_env(environ: Mapping[str, str], internal_token: bool = True) -> dict[str, str]:
@@ -251,6 +287,10 @@ def _refusal(args: argparse.Namespace) -> str | None:
             return f"--model {resolve_model_path(args.model)}: no such file or directory"
     except ModelLoadError as err:
         return str(err)
+    try:
+        _check_gateway_settings(args)
+    except ValueError as err:
+        return str(err)
     if not 0 < args.grpc_port < 65536:
         return f"--grpc-port must be in 1..65535, got {args.grpc_port}"
     if not 0 <= args.http_port < 65536:
@@ -262,6 +302,18 @@ def _refusal(args: argparse.Namespace) -> str | None:
     except ValueError as err:
         return str(err)
     return None
+
+
+def _check_gateway_settings(args: argparse.Namespace) -> None:
+    """The forwarded gateway flags, checked here so that a bad one is one line before anything
+    starts (not a gateway child dying after the workers loaded the model)."""
+    settings = gateway_settings(args)
+    if settings.max_model_len is not None and not args.config:
+        from gateway.server import check_max_model_len
+        from pdserve.runtime.loader import inspect_checkpoint, resolve_model_path
+
+        window = inspect_checkpoint(resolve_model_path(args.model)).config.max_position_embeddings
+        check_max_model_len(settings.max_model_len, window)
 
 
 def _run_stack(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec], gateway: ChildSpec) -> int:

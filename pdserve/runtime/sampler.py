@@ -1,7 +1,10 @@
 """Sampler: logits of the sequences that reached their last token -> next tokens.
 
-Filters apply in vLLM's order: repetition penalty, temperature, top-k, top-p, min-p.
-Returned logprobs are those of the model's raw distribution (before filters).
+Logits are processed in vLLM's order: the grammar's allowed-token mask (structured output:
+disallowed tokens to -inf), logit_bias, repetition penalty, presence and frequency penalties,
+then temperature, top-k, top-p, min-p. Returned logprobs are those of the model's raw
+distribution (before the mask and filters). A batch of plain greedy rows (no mask, bias or
+penalty) is one argmax.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import Sequence, TokenLogprob
 
 
@@ -22,6 +26,25 @@ def apply_repetition_penalty(logits: torch.Tensor, token_ids: Seq[int], penalty:
     logits = logits.clone()
     logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
     return logits
+
+
+def apply_penalties(logits: torch.Tensor, generated: Seq[int], presence: float, frequency: float) -> torch.Tensor:
+    """logits: [V] -> logits - presence * (count > 0) - frequency * count, with `count` each
+    token's occurrences in `generated` (OpenAI's presence and frequency penalties)."""
+    if (presence == 0 and frequency == 0) or not generated:
+        return logits
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0])
+    counts = counts[:logits.shape[0]].to(logits.device, logits.dtype)  # [V]
+    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: Seq[tuple[int, float]]) -> torch.Tensor:
+    """logits: [V] -> logits with each (token id, bias) added (a repeated id adds up)."""
+    if not bias:
+        return logits
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+    return logits.index_add(0, ids, values)
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -44,19 +67,30 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
 def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits: [V] -> logits / temperature, computed so that it cannot overflow into NaN: clamped
     to finite values and shifted to a maximum of 0 first (softmax does not change under a shift),
-    so a tiny temperature or repetition penalty gives -inf for unlikely tokens, never inf - inf."""
+    so a tiny temperature or repetition penalty gives -inf for unlikely tokens, never inf - inf.
+    Masked (-inf) logits stay at the finite minimum: their probability is 0 after the softmax."""
     info = torch.finfo(logits.dtype)
     finite = torch.nan_to_num(logits, posinf=info.max, neginf=info.min)
     return (finite - finite.max()) / temperature
 
 
+def processed_logits(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """logits: [V] of one sequence (its grammar mask already applied) -> with its logit_bias and
+    penalties applied: what greedy takes the argmax of and sampling the softmax of."""
+    p = seq.params
+    logits = apply_logit_bias(logits, p.logit_bias)
+    logits = apply_repetition_penalty(logits, seq.token_ids, p.repetition_penalty)
+    return apply_penalties(logits, seq.generated_ids, p.presence_penalty, p.frequency_penalty)
+
+
 def sample_one(logits: torch.Tensor, seq: Sequence) -> int:
     """logits: [V] fp32 of one sequence -> the next token id."""
     p = seq.params
-    logits = apply_repetition_penalty(logits, seq.token_ids, p.repetition_penalty)
+    logits = processed_logits(logits, seq)
     if p.greedy:
         return int(logits.argmax())
     probs = torch.softmax(scaled_logits(logits, p.temperature), dim=-1)
+    probs = torch.where(logits == float("-inf"), 0.0, probs)  # masked tokens: never drawn
     probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
     return int(torch.multinomial(probs, 1, generator=seq.generator()))
 
@@ -68,13 +102,21 @@ def top_logprobs(logprobs: torch.Tensor, token_id: int, n: int) -> TokenLogprob:
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
 
 
-def sample(logits: torch.Tensor, seqs: Seq[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-    """logits: [S, V] fp32, one row per sequence -> (token id, logprob or None) each."""
-    all_greedy_plain = all(s.params.greedy and s.params.repetition_penalty == 1.0 for s in seqs)
-    if all_greedy_plain:
-        tokens = logits.argmax(dim=-1).tolist()
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits first: the argmax of the raw row."""
+    return (p.greedy and p.repetition_penalty == 1.0 and not p.logit_bias
+            and p.presence_penalty == 0 and p.frequency_penalty == 0)
+
+
+def sample(logits: torch.Tensor, seqs: Seq[Sequence], allowed: torch.Tensor | None = None
+           ) -> list[tuple[int, TokenLogprob | None]]:
+    """logits: [S, V] fp32, one row per sequence -> (token id, logprob or None) each.
+    allowed: [S, V] bool, the tokens each row's grammar allows (None: no row is constrained)."""
+    masked = logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    if all(is_plain_greedy(s.params) for s in seqs):
+        tokens = masked.argmax(dim=-1).tolist()
     else:
-        tokens = [sample_one(row, seq) for row, seq in zip(logits, seqs)]
+        tokens = [sample_one(row, seq) for row, seq in zip(masked, seqs)]
     results: list[tuple[int, TokenLogprob | None]] = []
     for row, seq, tok in zip(logits, seqs, tokens):
         lp = None

@@ -28,7 +28,8 @@ class SamplingParams:
     # logit -= presence_penalty * (count > 0) + frequency_penalty * count
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logit
+    # (token id, bias in [-100, 100]) added to the logit; kept sorted by id, each id once
+    logit_bias: tuple[tuple[int, float], ...] = ()
     structured: StructuredOutput | None = None  # the output must match this (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
@@ -57,6 +58,10 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0 or not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+        ordered = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias))
+        if len({t for t, _ in ordered}) < len(ordered):
+            raise ValueError("logit_bias names a token id more than once")
+        object.__setattr__(self, "logit_bias", ordered)  # one order, whatever the client's (equal params compare equal)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty (an empty one would end every output at once)")
         if any(t < 0 for t in self.stop_token_ids):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.runtime.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +55,9 @@ class Sequence:
     hold_blocks: bool = False  # prefill role: keep the KV after finishing until exported
     resumed_tokens: int = 0  # trailing prompt tokens this request generated before a resume
     external: ExternalKV | None = None  # KV from elsewhere, until admission takes it in
+    # Structured output: where the generated tokens are in the grammar (advanced over every one,
+    # those generated before a resume and a prefill's first token included); None: unconstrained.
+    grammar: GrammarMatcher | None = None
 
     def generator(self) -> torch.Generator | None:
         """RNG of the next token when seeded: a function of (seed, position) only, so a request
@@ -64,6 +71,13 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """Every token this request generated: a resumed stream's tail of the prompt, then the
+        outputs (a prefill's first token among them). What presence/frequency penalties count."""
+        start = len(self.prompt_ids) - self.resumed_tokens
+        return self.prompt_ids[start:] + self.output_ids
 
     @property
     def num_tokens(self) -> int:

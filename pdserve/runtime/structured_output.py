@@ -18,6 +18,7 @@ kinds:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -36,21 +37,30 @@ class StructuredOutput:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
         if len(self.spec) > MAX_SPEC_CHARS:
-            raise ValueError(f"the {self.kind} spec has {len(self.spec)} characters; at most {MAX_SPEC_CHARS}")
+            raise ValueError(f"structured output: the {self.kind} spec has {len(self.spec)} characters; at most"
+                             f" {MAX_SPEC_CHARS}")
 
 
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): with llguidance's
+# default flexible whitespace a model may emit newlines forever inside a valid object (a small one
+# does, at once). A schema can still ask for other whitespace through its "x-guidance" options.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@functools.lru_cache(maxsize=256)  # specs of up to 64 KiB: a bounded cache, ~32 MiB at worst
 def grammar_text(so: StructuredOutput) -> str:
-    """llguidance's grammar for `so`; ValueError with a message a person can act on."""
+    """llguidance's grammar for `so`; ValueError with a message a person can act on. Cached:
+    the gateway and every worker turn the same spec into text more than once."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     if so.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
+        return LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=JSON_LAYOUT)
     if so.kind == "json_schema":
         schema = _json(so.spec, "the JSON schema")
         if not isinstance(schema, dict | bool):
             raise ValueError("the JSON schema must be an object (or true/false)")
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
     if so.kind == "regex":
         return LLMatcher.grammar_from_regex(so.spec)
     if so.kind == "choice":
@@ -65,12 +75,22 @@ def grammar_text(so: StructuredOutput) -> str:
 
 
 def check(so: StructuredOutput) -> None:
-    """Compile `so` (no tokenizer needed); ValueError naming what llguidance refused."""
+    """Compile `so` (no tokenizer needed); ValueError naming what llguidance refused. The verdict
+    is cached by spec: a client that sends the same schema with every request pays once."""
+    error = _compile_error(so)
+    if error:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_error(so: StructuredOutput) -> str:
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(grammar_text(so))
-    if error:
-        raise ValueError(f"the {so.kind} cannot be compiled: {error}")
+    try:
+        error = LLMatcher.validate_grammar(grammar_text(so))
+    except ValueError as err:
+        return str(err)
+    return f"the {so.kind} cannot be compiled: {error}" if error else ""
 
 
 def _json(text: str, what: str) -> object:

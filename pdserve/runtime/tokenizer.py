@@ -10,15 +10,28 @@ Chat prompts: a checkpoint's own Jinja chat template is used when it has one (re
 `add_generation_prompt=True`). Without one the default is, per message, ``"<role>: <content>\\n"``,
 then ``"assistant:"``; e.g. ``[{"role": "user", "content": "Hi"}]`` gives ``"user: Hi\\nassistant:"``.
 Roles other than system, user and assistant raise ValueError.
+
+Tools: a template that mentions ``tools`` (`supports_tools`; Qwen2.5's, Hermes', Llama 3.1's do,
+SmolLM2's and the default do not) is rendered with ``tools=[...]`` (OpenAI's tool objects) as
+transformers' ``apply_chat_template(messages, tools=...)`` renders it, and takes the messages of a
+tool conversation: role ``tool`` (``tool_call_id``, ``content``) and assistant messages with
+``tool_calls``. A template without tool support raises ValueError for both.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 ROLES = ("system", "user", "assistant")
+TOOL_ROLES = (*ROLES, "tool")  # where the template handles tools
+Message = Mapping[str, Any]  # {"role", "content"}, plus "tool_calls" / "tool_call_id" in tool conversations
+Tools = Sequence[Mapping[str, Any]]  # OpenAI tool objects: {"type": "function", "function": {...}}
+_MENTIONS_TOOLS = re.compile(r"\btools\b")
 
 
 @runtime_checkable
@@ -31,33 +44,75 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str: ...
+    @property
+    def supports_tools(self) -> bool: ...
+
+    def apply_chat_template(self, messages: Sequence[Message], tools: Tools | None = None) -> str: ...
 
 
-def check_roles(messages: Sequence[Mapping[str, str]]) -> None:
-    for m in messages:
-        if m.get("role") not in ROLES:
-            raise ValueError(f"unsupported chat role {m.get('role')!r}; expected one of {ROLES}")
+def template_supports_tools(template: str | Mapping[str, str] | None) -> bool:
+    """Whether a chat template renders tools: it refers to the `tools` variable (a template that
+    never reads it would drop the tool list silently). A dict is a checkpoint's named templates."""
+    if isinstance(template, Mapping):
+        return any(template_supports_tools(t) for t in template.values())
+    return bool(template) and _MENTIONS_TOOLS.search(template) is not None
 
 
-def default_chat_prompt(messages: Sequence[Mapping[str, str]]) -> str:
+def check_roles(messages: Sequence[Message], tools_ok: bool = False) -> None:
+    """ValueError for a role the template cannot render; `tools_ok`: the template handles tool
+    conversations (role "tool", assistant "tool_calls")."""
+    roles = TOOL_ROLES if tools_ok else ROLES
+    for i, m in enumerate(messages):
+        if m.get("role") not in roles:
+            hint = "; this model's chat template has no tool support" if m.get("role") == "tool" else ""
+            raise ValueError(f"unsupported chat role {m.get('role')!r}; expected one of {roles}{hint}")
+        if m.get("tool_calls") and not tools_ok:
+            raise ValueError(f"messages[{i}] has tool_calls, but this model's chat template has no tool support")
+
+
+def check_tools(tools: Tools | None, tools_ok: bool) -> None:
+    if tools and not tools_ok:
+        raise ValueError("tools were given, but this model's chat template has no tool support")
+
+
+def default_chat_prompt(messages: Sequence[Message]) -> str:
     """The documented fallback template: "<role>: <content>\\n" per message, then "assistant:"."""
     check_roles(messages)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
-def render_jinja_chat_template(template: str, messages: Sequence[Mapping[str, str]], **extra: Any) -> str:
-    """Render a HF-style chat template in a sandbox (templates come from downloaded files)."""
+def render_jinja_chat_template(template: str, messages: Sequence[Message], tools: Tools | None = None,
+                               **extra: Any) -> str:
+    """Render a HF-style chat template in a sandbox (templates come from downloaded files), in
+    the environment transformers renders it in: its `tojson` (json.dumps: Jinja's own escapes
+    HTML and sorts keys, which would change a tool's JSON), loop controls, `strftime_now`;
+    keys whose value is None are dropped from messages (OpenAI's `content: null`), as there."""
+    from jinja2.ext import loopcontrols
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:  # templates call this to reject conversations
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template).render(
-        messages=[dict(m) for m in messages], add_generation_prompt=True, **extra)
+        messages=[_plain_message(m) for m in messages], tools=_plain_tools(tools), add_generation_prompt=True,
+        **extra)
+
+
+def _plain_message(m: Message) -> dict[str, Any]:
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def _plain_tools(tools: Tools | None) -> list[dict[str, Any]] | None:
+    return None if tools is None else [dict(t) for t in tools]
 
 
 class GGUFTokenizer:
@@ -88,13 +143,23 @@ class GGUFTokenizer:
     def id_to_piece(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        check_roles(messages)
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` (grammar engines read its vocabulary)."""
+        return self._tok
+
+    @property
+    def supports_tools(self) -> bool:
+        return template_supports_tools(self.chat_template)
+
+    def apply_chat_template(self, messages: Sequence[Message], tools: Tools | None = None) -> str:
+        check_roles(messages, self.supports_tools)
+        check_tools(tools, self.supports_tools)
         if not self.chat_template:
             return default_chat_prompt(messages)
         bos = self.id_to_piece(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_piece(self.eos_ids[0]) if self.eos_ids else ""
-        return render_jinja_chat_template(self.chat_template, messages, bos_token=bos, eos_token=eos)
+        return render_jinja_chat_template(self.chat_template, messages, tools, bos_token=bos, eos_token=eos)
 
 
 class HFTokenizer:
@@ -113,6 +178,15 @@ class HFTokenizer:
 
         return cls(AutoTokenizer.from_pretrained(str(path)), eos_ids)
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` of transformers' fast tokenizer; ValueError for a slow one."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"this model's tokenizer ({type(self._tok).__name__}) is not a fast (Rust `tokenizers`) "
+                             "tokenizer")
+        return backend
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         # add_special_tokens adds what this tokenizer adds (BOS for Llama, nothing for Qwen2).
         return list(self._tok.encode(text, add_special_tokens=add_bos))
@@ -120,9 +194,14 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        check_roles(messages)
+    @property
+    def supports_tools(self) -> bool:
+        return template_supports_tools(getattr(self._tok, "chat_template", None))
+
+    def apply_chat_template(self, messages: Sequence[Message], tools: Tools | None = None) -> str:
+        check_roles(messages, self.supports_tools)
+        check_tools(tools, self.supports_tools)
         if not getattr(self._tok, "chat_template", None):
             return default_chat_prompt(messages)
-        return self._tok.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                             add_generation_prompt=True)
+        return self._tok.apply_chat_template([dict(m) for m in messages], tools=_plain_tools(tools),
+                                             tokenize=False, add_generation_prompt=True)
