@@ -86,10 +86,13 @@ def check_fits(prompt_ids: Sequence[int], sampling: SamplingParams, context_wind
         raise ValueError("prompt is empty after tokenization")
     total = len(prompt_ids) + sampling.max_tokens
     if total > context_window:
+        room = context_window - len(prompt_ids)
+        fix = (f"shorten the prompt or lower max_tokens to at most {room}" if room >= 1
+               else f"shorten the prompt to at most {context_window - sampling.max_tokens} tokens"
+               if sampling.max_tokens < context_window else "shorten the prompt and lower max_tokens")
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) = {total} tokens "
-            f"exceeds the model's context window of {context_window} tokens; shorten the prompt "
-            f"or lower max_tokens to at most {max(context_window - len(prompt_ids), 0)}")
+            f"exceeds the model's context window of {context_window} tokens; {fix}")
 
 
 def check_vocab(prompt_ids: list[int], vocab_size: int) -> list[int]:

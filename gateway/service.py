@@ -36,6 +36,7 @@ from gateway.output import OutputChunk
 from gateway.request_ids import IDS, RequestIds, new_id, tenant_of
 from gateway.slo import SloMonitor
 from pdserve import log_privacy
+from gateway.redact import public_message
 from pdserve.grpc_server import abort_on
 from pdserve.interceptors import metadata_value
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
@@ -97,19 +98,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                      replicas=lambda: sum(ep.healthy for p in pools for ep in p.endpoints))
         self._slo_task: asyncio.Task | None = None
 
-    @abort_on()
+    @abort_on(public=public_message)
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         async for msg in self._stream(generation_request(request), context, request.model):
             yield msg
 
-    @abort_on()
+    @abort_on(public=public_message)
     async def Chat(self, request: gateway_pb2.ChatRequest, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         async for msg in self._stream(generation_request(request), context, request.model):
             yield msg
 
-    @abort_on()
+    @abort_on(public=public_message)
     async def Feedback(self, request: gateway_pb2.FeedbackRequest, context: grpc.aio.ServicerContext
                        ) -> gateway_pb2.FeedbackResponse:
         if not request.request_id:
@@ -122,7 +123,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.FeedbackResponse(experiment=experiment, arm=arm, reward=reward or 0.0,
                                             pending=reward is None)
 
-    @abort_on()
+    @abort_on(public=public_message)
     async def ExperimentReport(self, request: gateway_pb2.ExperimentReportRequest,
                                context: grpc.aio.ServicerContext) -> gateway_pb2.ExperimentReportResponse:
         return gateway_pb2.ExperimentReportResponse(arms=[arm_report_to_proto(r) for r in self.catalog.report()])

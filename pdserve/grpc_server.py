@@ -289,15 +289,23 @@ def _status_for(exc: Exception, codes: Mapping[type[BaseException], grpc.StatusC
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log"
 
 
-def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERROR_CODES
-             ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERROR_CODES,
+             public: Callable[[str], str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate an async servicer method so exceptions end the call with a status, no traceback.
 
     Exceptions are matched against `codes` in order (default: ValueError → INVALID_ARGUMENT,
     KeyError → NOT_FOUND, ...); `ServiceError` carries its own code; anything else is logged here
     and reported as INTERNAL. Works for unary and streaming handlers (async generators too).
-    The handler must take (self, request_or_iterator, context).
+    The handler must take (self, request_or_iterator, context). `public` rewrites each message
+    before it leaves (a client-facing service hides its internal addresses; the log keeps them).
     """
+    def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+        code, message = _status_for(exc, codes)
+        if public is not None and (shown := public(message)) != message:
+            log.info("call failed with %s: %s", code.name, message)  # the detail the client does not get
+            message = shown
+        return code, message
+
     def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(method):
             @functools.wraps(method)
@@ -308,7 +316,7 @@ def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERRO
                 except grpc.aio.AbortError:
                     raise  # the handler already chose a status
                 except Exception as exc:  # noqa: BLE001 - turned into a status below
-                    await context.abort(*_status_for(exc, codes), trailing_metadata=_trailers_of(exc))
+                    await context.abort(*status_of(exc), trailing_metadata=_trailers_of(exc))
             return stream_wrapper
 
         @functools.wraps(method)
@@ -318,6 +326,6 @@ def abort_on(codes: Mapping[type[BaseException], grpc.StatusCode] = DEFAULT_ERRO
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                await context.abort(*_status_for(exc, codes), trailing_metadata=_trailers_of(exc))
+                await context.abort(*status_of(exc), trailing_metadata=_trailers_of(exc))
         return unary_wrapper
     return decorate

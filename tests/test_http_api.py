@@ -17,13 +17,14 @@ import urllib.error
 import urllib.request
 
 import aiohttp
+import grpc
 import openai
 import pytest
 
 from gateway import server as gateway_server
 from pdserve.ports import free_port
 from pdserve.stack import start_stack
-from pdserve.v1 import common_pb2, gateway_pb2
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MODEL = "stories260K"
 PROMPTS = ["Once upon a time", "Tom had a red ball. He"]
@@ -359,7 +360,7 @@ def _requests(status: str) -> float:
 
 async def _no_workers() -> None:
     dead = f"127.0.0.1:{free_port()}"
-    server, _ = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0")
+    server, grpc_port = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0")
     base = f"http://127.0.0.1:{gateway_server.http_server(server).port}"
     try:
         async with aiohttp.ClientSession() as session:
@@ -370,6 +371,14 @@ async def _no_workers() -> None:
                 error = (await r.json())["error"]
                 assert (error["type"], error["code"]) == ("service_unavailable", "service_unavailable")
                 assert "no healthy" in error["message"] and dead not in error["message"]
+        # The gRPC API's clients are told as little: the same status, no address either.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(gateway_pb2.GenerateRequest(prompt="Hi"), timeout=30):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy" in err.value.details()
+            assert dead not in err.value.details() and "127.0.0.1" not in err.value.details()
     finally:
         await gateway_server.stop(server, grace_s=1)
 

@@ -20,13 +20,13 @@ import asyncio
 import json
 import logging
 import math
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from aiohttp import web
 
+from gateway.redact import public_message
 from pdserve.grpc_server import ServiceError
 
 log = logging.getLogger(__name__)
@@ -66,19 +66,6 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 
 # Statuses a client should retry after a pause: tell it how long (OpenAI's SDK honours this).
 _RETRY_AFTER_S = {429: "1", 503: "1"}
-
-
-# host:port, [v6]:port, and gRPC's ipv4:/ipv6:/dns:/// target forms: how worker addresses appear
-# in the flow's and grpc's messages.
-_ADDRESS = re.compile(r"(?:(?:ipv4|ipv6|dns|unix):(?://[^/\s]*/)?)?"
-                      r"(?:\[[0-9A-Fa-f:.%]+\]|\d{1,3}(?:\.\d{1,3}){3}|[A-Za-z0-9-]*[A-Za-z][A-Za-z0-9.-]*)"
-                      r":\d{1,5}\b")
-ADDRESS_PLACEHOLDER = "<internal>"
-
-
-def public_message(message: str) -> str:
-    """`message` with every network address replaced, for a client's eyes."""
-    return _ADDRESS.sub(ADDRESS_PLACEHOLDER, message)
 
 
 def api_error_of(exc: BaseException) -> ApiError:
