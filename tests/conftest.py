@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import gguf
 import pytest
 import torch
 
@@ -133,6 +137,32 @@ def smollm2():
     from pdserve.runtime.loader import load_checkpoint
 
     return load_checkpoint(smollm2_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """The SmolLM2 checkpoint in bf16, loaded once per session (~5 s)."""
+    from pdserve.runtime.loader import load_checkpoint
+
+    return load_checkpoint(smollm2_path(), dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class GGUFField:
+    """One metadata value of a GGUF file, with the types a GGUFWriter needs to write it again."""
+
+    value: Any
+    type: gguf.GGUFValueType
+    sub_type: gguf.GGUFValueType | None = None  # of an array's items
+
+
+@functools.cache
+def smollm2_tokenizer_fields() -> dict[str, GGUFField]:
+    """SmolLM2's `tokenizer.*` metadata (49152 tokens, 48900 merges), read once per session: gguf's
+    reader builds every array item by item, ~3 s for this file."""
+    fields = gguf.GGUFReader(smollm2_path()).fields.values()
+    return {f.name: GGUFField(f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for f in fields if f.name.startswith("tokenizer.")}
 
 
 # --- Test tiers: `pytest -m "not stack"` is the fast inner loop ----------------------------------

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
-from conftest import STORIES_GGUF, smollm2_path
+from conftest import STORIES_GGUF
 from pdserve.quant.int4_cpu import Int4Linear, codes_of_gguf_blocks, quantize_rtn, weights_for
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
 from pdserve.runtime.engine import Engine
@@ -76,13 +76,6 @@ def test_int4_needs_reduced_precision_on_the_cpu():
 
 
 # ---- SmolLM2-135M-Instruct (its projections are Q4_1 in the GGUF) ------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2_bf16():
-    from pdserve.runtime.loader import load_checkpoint
-
-    return load_checkpoint(smollm2_path(), dtype=torch.bfloat16)
 
 
 def _engine(checkpoint, weight_format: str) -> Engine:

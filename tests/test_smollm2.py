@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import smollm2_path
+from conftest import smollm2_path, smollm2_tokenizer_fields
 from hf_reference import load_hf_gguf_model, load_hf_gguf_tokenizer
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
-from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 
 QUESTIONS = [
@@ -175,12 +174,10 @@ def test_tokenizer_matches_transformers_on_220_strings(smollm2, hf_tokenizer) ->
 @pytest.mark.parametrize("pre", ["gpt2", "default"])
 def test_gpt2_pre_tokenizer_matches_transformers(hf_tokenizer, pre: str) -> None:
     """The same vocabulary read with GPT-2's regex ("gpt2", "default"): what transformers builds for it."""
-    import gguf
-
     from pdserve.runtime.gguf_vocab import build_tokenizer
 
-    fields = gguf.GGUFReader(smollm2_path()).fields
-    meta = {k: fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "token_type", "merges")}
+    fields = smollm2_tokenizer_fields()  # read once per session
+    meta = {k: fields[f"tokenizer.ggml.{k}"].value for k in ("tokens", "token_type", "merges")}
     ours = build_tokenizer("gpt2", meta["tokens"], meta["token_type"], merges=meta["merges"], pre=pre)
     for text in TEXTS + random_texts(60, seed=11):
         assert ours.encode(text, add_special_tokens=False).ids == hf_tokenizer.encode(text, add_special_tokens=False)
@@ -207,7 +204,7 @@ def test_every_digit_is_its_own_token(smollm2) -> None:
 
 # --- bfloat16 -----------------------------------------------------------------------------------
 
-def test_bfloat16_top1_agrees_with_float32_on_500_positions(smollm2, reference) -> None:
+def test_bfloat16_top1_agrees_with_float32_on_500_positions(smollm2, smollm2_bf16, reference) -> None:
     """bf16 weights, activations and KV, teacher-forced on the five chats with fp32's greedy answers:
     the same argmax as fp32 where the answers' 520 tokens are predicted. (Over the prompts too,
     measured 98.8%: 6 of 507 flips, all near-ties within 0.09 logits, mostly in the system prompt.)"""
@@ -220,7 +217,7 @@ def test_bfloat16_top1_agrees_with_float32_on_500_positions(smollm2, reference) 
         tokens += prompt + out
     assert len(answer) >= 500
     fp32 = sequence_logits(LlamaModel(smollm2.config, smollm2.weights), tokens).argmax(-1)[answer]
-    half = load_checkpoint(smollm2_path(), dtype=torch.bfloat16)
+    half = smollm2_bf16  # loaded once per session
     bf16 = sequence_logits(LlamaModel(half.config, half.weights), tokens, kv_dtype="bfloat16").argmax(-1)[answer]
     agree = (fp32 == bf16).float().mean().item()
     assert agree >= 0.99, agree
