@@ -1,7 +1,11 @@
-"""`pdserve quantize`: weight-only quantization of a checkpoint into a GPTQ-format directory.
+"""`pdserve quantize`: quantization of a checkpoint into a GPTQ-format directory.
 
-INT8 (per output channel, symmetric, or asymmetric with --asym) or INT4 (group-wise, with zero points), by round-to-nearest or
-GPTQ on a calibration set; the output loads with `pdserve up --model OUT` and with GPTQ tooling.
+Weight-only: INT8 (per output channel, symmetric, or asymmetric with --asym) or INT4 (group-wise,
+with zero points), by round-to-nearest or GPTQ on a calibration set; `--attention-bits 8|16` keeps
+the attention projections at INT8 or unquantized (GPTQModel's `dynamic` rules). W8A8: INT8 weights
+with INT8 activations, per token at run time (`--method dynamic-int8`) or with calibrated static
+scales (`--method w8a8 --observer minmax|percentile`). The output loads with `pdserve up --model OUT`
+and, weights-wise, with GPTQ tooling (docs/quantization.md, docs/quantization-activations.md).
 """
 
 from __future__ import annotations
@@ -10,20 +14,31 @@ import argparse
 import sys
 
 NAME = "quantize"
-HELP = "quantize a model's weights (INT8 per channel, INT4 group-wise; RTN or GPTQ) into a GPTQ checkpoint"
+HELP = ("quantize a model (INT8 per channel, INT4 group-wise, mixed; RTN or GPTQ; W8A8 dynamic or static) "
+        "into a GPTQ checkpoint")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.engine_args import add_model_args
 
     add_model_args(p)
-    p.add_argument("--method", default="gptq", help="rtn or gptq")
-    p.add_argument("--bits", type=int, default=4, help="8 (per output channel, symmetric) or 4 (group-wise)")
+    p.add_argument("--method", default="gptq",
+                   help="rtn or gptq (weight-only); dynamic-int8 (W8A8, activations per token at run time) "
+                        "or w8a8 (W8A8, static activation scales from calibration)")
+    p.add_argument("--bits", type=int, default=None,
+                   help="8 (per output channel, symmetric) or 4 (group-wise); default 4 (8 for W8A8, the only choice)")
     p.add_argument("--group-size", type=int, default=None,
                    help="input channels per scale: 32, 64, 128, or -1 for one per output channel "
                         "(default: 128 for 4 bits, -1 for 8 bits)")
     p.add_argument("--asym", action="store_true",
                    help="INT8 with a zero point per output channel instead of symmetric (INT4 is always asymmetric)")
+    p.add_argument("--attention-bits", type=int, default=None, choices=(8, 16),
+                   help="mixed formats: attention projections at INT8 per channel (8) or unquantized (16), "
+                        "the MLP at --bits (default: attention like the MLP)")
+    p.add_argument("--observer", default=None,
+                   help="w8a8: how activation ranges are calibrated: minmax (default) or percentile")
+    p.add_argument("--percentile", type=float, default=99.99,
+                   help="w8a8 --observer percentile: the percentile kept (its mirror is the low end)")
     p.add_argument("--desc-act", action="store_true", help="GPTQ in activation order (act-order)")
     p.add_argument("--calib", default="stories260k",
                    help="calibration text: builtin set name (stories260k) or a .jsonl/.txt file")
@@ -37,35 +52,80 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pdserve.quant.calibration import load_texts, token_chunks
-    from pdserve.quant.checkpoint import quantization_config, save_quantized
-    from pdserve.quant.layerwise import STAGES, quantize_model
-    from pdserve.quant.progress import ProgressBar
-    from pdserve.quant.spec import QuantError, QuantSpec, check_quantize_request
-    from pdserve.runtime.loader import ModelLoadError, load_checkpoint, resolve_model_path
+    from pdserve.quant.spec import QuantError
+    from pdserve.runtime.loader import ModelLoadError
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    group = args.group_size if args.group_size is not None else (-1 if args.bits == 8 else 128)
     try:
-        spec = check_quantize_request(args.bits, group, args.method, args.asym)
-        if args.desc_act:
-            if args.method != "gptq":
-                raise QuantError("--desc-act needs --method gptq")
-            spec = QuantSpec(spec.bits, spec.group_size, spec.sym, desc_act=True)
-        checkpoint = load_checkpoint(resolve_model_path(args.model))
-        calib = None
-        provenance = {"source": checkpoint.source.name, "source_fingerprint": checkpoint.fingerprint,
-                      "created_by": "pdserve quantize"}
-        if args.method == "gptq":
-            calib = token_chunks(checkpoint.tokenizer, load_texts(args.calib), args.calib_seq_len, args.calib_samples)
-            provenance["calibration"] = {"set": args.calib, "rows": int(calib.shape[0]), "seq_len": args.calib_seq_len}
-        bar = ProgressBar(checkpoint.config.num_layers * len(STAGES), f"{args.method} int{args.bits}")
-        weights = quantize_model(checkpoint.config, checkpoint.weights, spec, args.method, calib, args.damp, bar)
-        qconfig = quantization_config(spec, args.method, args.damp, provenance)
-        out = save_quantized(args.out, checkpoint, weights, qconfig)
+        out = _quantize(args)
     except (QuantError, ModelLoadError) as e:
         print(f"pdserve quantize: error: {e}", file=sys.stderr)
         return 2
     print(out)
     return 0
+
+
+def _quantize(args: argparse.Namespace):
+    from pdserve.quant.calibration import load_texts, token_chunks
+    from pdserve.quant.checkpoint import quantization_config, save_quantized
+    from pdserve.quant.layerwise import STAGES, W8A8_WEIGHTS, quantize_model, quantize_w8a8
+    from pdserve.quant.progress import ProgressBar
+    from pdserve.quant.spec import attention_rules
+    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+
+    act = _act_spec(args)
+    spec = W8A8_WEIGHTS if act is not None else _weight_spec(args)
+    rules = attention_rules(args.attention_bits) if args.attention_bits is not None else None
+    checkpoint = load_checkpoint(resolve_model_path(args.model))
+    provenance = {"source": checkpoint.source.name, "source_fingerprint": checkpoint.fingerprint,
+                  "created_by": "pdserve quantize"}
+    calib = None
+    if args.method == "gptq" or (act is not None and act.scheme == "static"):
+        calib = token_chunks(checkpoint.tokenizer, load_texts(args.calib), args.calib_seq_len, args.calib_samples)
+        provenance["calibration"] = {"set": args.calib, "rows": int(calib.shape[0]), "seq_len": args.calib_seq_len}
+    bar = ProgressBar(checkpoint.config.num_layers * len(STAGES), f"{args.method} int{spec.bits}")
+    if act is not None:
+        weights = quantize_w8a8(checkpoint.config, checkpoint.weights, act, calib, bar)
+        provenance["weights"] = "rtn"
+    else:
+        weights = quantize_model(checkpoint.config, checkpoint.weights, spec, args.method, calib, args.damp, bar,
+                                 rules=rules)
+    qconfig = quantization_config(spec, args.method, args.damp, provenance, dynamic=rules, activations=act)
+    return save_quantized(args.out, checkpoint, weights, qconfig)
+
+
+def _weight_spec(args: argparse.Namespace):
+    from pdserve.quant.spec import QuantError, QuantSpec, check_quantize_request
+
+    if args.observer is not None:
+        raise QuantError("--observer needs --method w8a8 (static activation scales)")
+    bits = args.bits if args.bits is not None else 4
+    group = args.group_size if args.group_size is not None else (-1 if bits == 8 else 128)
+    spec = check_quantize_request(bits, group, args.method, args.asym)
+    if args.desc_act:
+        if args.method != "gptq":
+            raise QuantError("--desc-act needs --method gptq")
+        spec = QuantSpec(spec.bits, spec.group_size, spec.sym, desc_act=True)
+    return spec
+
+
+def _act_spec(args: argparse.Namespace):
+    """The activation spec of --method dynamic-int8 / w8a8 (None for weight-only methods)."""
+    from pdserve.quant.spec import ACT_METHODS, ActSpec, QuantError
+
+    scheme = ACT_METHODS.get(args.method)
+    if scheme is None:
+        return None
+    given = (("--bits", args.bits not in (None, 8)), ("--asym", args.asym),
+             ("--group-size", args.group_size not in (None, -1)), ("--desc-act", args.desc_act),
+             ("--attention-bits", args.attention_bits is not None))
+    bad = [flag for flag, is_set in given if is_set]
+    if bad:
+        raise QuantError(f"--method {args.method} makes INT8 per-channel symmetric weights for every projection: "
+                         f"drop {', '.join(bad)}")
+    if scheme == "dynamic":
+        if args.observer is not None:
+            raise QuantError("--observer needs --method w8a8 (dynamic-int8 computes scales per token)")
+        return ActSpec("dynamic")
+    return ActSpec("static", args.observer or "minmax", args.percentile)

@@ -1,4 +1,5 @@
-"""Weight-only quantization: INT8 per-output-channel and INT4 group-wise, by RTN or GPTQ.
+"""Quantization: INT8 per-output-channel and INT4 group-wise weights (RTN, GPTQ, QAT), INT8
+activations (dynamic per row, or static from calibration: W8A8), and mixed per-module formats.
 
 Pieces, in the order data flows through them:
 
@@ -10,7 +11,13 @@ Pieces, in the order data flows through them:
     linear      the "linear" objects the runtime model calls: dense, quantized (dequantize on the
                 fly), concatenated
     calibration builtin/user calibration text -> token chunks
-    layerwise   the layer-by-layer driver that quantizes a whole model (`quantize_model`)
+    layerwise   the layer-by-layer driver that quantizes a whole model (`quantize_model`,
+                `quantize_w8a8`; per-module rules for mixed formats)
+    int8_act    W8A8: INT8 weights with activations quantized per row or with calibrated scales,
+                multiplied by torch._int_mm (docs/quantization-activations.md)
+    int4_cpu    a GGUF's own Q4_0/Q4_1 codes packed for torch's CPU int4 kernel
+    qat         quantization-aware training with distillation (docs/qat.md)
+    accuracy    KL / top-1 / perplexity / task score of a format against fp32 (pdserve quant-eval)
 
 The on-disk layout is AutoGPTQ's classic "gptq" checkpoint format (docs/quantization.md), so one
 loader serves both our `pdserve quantize` output and checkpoints quantized elsewhere.

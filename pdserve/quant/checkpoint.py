@@ -1,6 +1,8 @@
 """Writing a quantized checkpoint directory that `load_checkpoint` (and AutoGPTQ-style tools) read:
 
-    model.safetensors      GPTQ tensors for the decoder projections, the rest as in the source
+    model.safetensors      GPTQ tensors for the decoder projections (W8A8: + input_scale/input_zero_point),
+                           dense `.weight`s for projections a `dynamic` rule leaves unquantized, the rest
+                           as in the source
     config.json            the model config + `quantization_config` (format and provenance)
     quantize_config.json   the same quantization config (where AutoGPTQ looks for it)
     tokenizer files        the source's HF tokenizer files, or `tokenizer.gguf` for a GGUF source
@@ -15,28 +17,38 @@ from typing import Any
 import torch
 
 from pdserve.quant.gptq_format import QUANT_CONFIG_FILE, QuantizedWeight, module_name
-from pdserve.quant.spec import QuantSpec
+from pdserve.quant.int8_act import Int8ActWeight
+from pdserve.quant.spec import ActSpec, QuantSpec
 from pdserve.runtime.hf_reader import GGUF_TOKENIZER_FILE
 
 
-def quantization_config(spec: QuantSpec, method: str, damp_percent: float,
-                        provenance: dict[str, Any]) -> dict[str, Any]:
-    """The `quantization_config`: AutoGPTQ's keys (what loaders need), then how pdserve made it."""
-    return {
+def quantization_config(spec: QuantSpec, method: str, damp_percent: float, provenance: dict[str, Any],
+                        dynamic: dict[str, dict] | None = None, activations: ActSpec | None = None) -> dict[str, Any]:
+    """The `quantization_config`: AutoGPTQ's keys (what loaders need), then how pdserve made it.
+
+    dynamic: GPTQModel's per-module overrides (regex -> fields; "-:" = not quantized), as GPTQModel
+    and vLLM read them. activations: W8A8's input quantization, in `pdserve.activations`."""
+    qc = {
         "quant_method": "gptq", "checkpoint_format": "gptq", "bits": spec.bits, "group_size": spec.group_size,
         "desc_act": spec.desc_act, "sym": spec.sym, "static_groups": False, "true_sequential": True,
         "damp_percent": damp_percent, "method": method, "pdserve": provenance,
     }
+    if dynamic:
+        qc["dynamic"] = dynamic
+    if activations is not None:
+        qc["pdserve"] = provenance | {"activations": activations.to_json()}
+    return qc
 
 
 def state_dict(weights: dict, tied_head: str | None = None) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors: QuantizedWeights expand to qweight/qzeros/scales/g_idx; `tied_head`, the
-    name of a head that is the embedding itself, is left out (a falsy value leaves nothing out)."""
+    """Checkpoint tensors: QuantizedWeights expand to qweight/qzeros/scales/g_idx (W8A8 ones add
+    input_scale/input_zero_point); `tied_head`, the name of a head that is the embedding itself, is
+    left out (a falsy value leaves nothing out)."""
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         if tied_head and name == tied_head:
             continue
-        if isinstance(w, QuantizedWeight):
+        if isinstance(w, (QuantizedWeight, Int8ActWeight)):
             out |= w.tensors(module_name(name))
         else:
             out[name] = w.detach().contiguous()

@@ -12,7 +12,14 @@ Per quantized linear layer `<name>` (e.g. model.layers.0.self_attn.q_proj), with
 
 offset = 1 in the classic "gptq" format (the stored zero is zero - 1, a historical quirk kept for
 compatibility), 0 in GPTQModel's "gptq_v2". The config (config.json `quantization_config`, else
-quantize_config.json) gives bits, group_size (-1: one group), desc_act, sym, checkpoint_format.
+quantize_config.json) gives bits, group_size (-1: one group), desc_act, sym, checkpoint_format, and
+optionally GPTQModel's per-module `dynamic` overrides ("regex": {bits, group_size, ...}; a "-:"
+rule leaves the module unquantized, stored as a dense `.weight`).
+
+pdserve's extension, W8A8 (docs/quantization-activations.md): `quantization_config.pdserve.activations`
+({"scheme": "dynamic" | "static", ...}) says the INT8 projections also quantize their inputs; static
+ones carry `<name>.input_scale` (float32 [1]) and `<name>.input_zero_point` (int32 [1]). Other GPTQ
+loaders ignore both and run the same weights as W8A16.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 
 from pdserve.quant.packing import pack_cols, pack_rows, per_word, unpack_cols, unpack_rows
 from pdserve.quant.quantizer import QuantResult
-from pdserve.quant.spec import SUPPORTED_BITS, QuantError
+from pdserve.quant.spec import SUPPORTED_BITS, ActSpec, QuantError, check_dynamic, match_dynamic
 
 if TYPE_CHECKING:
     from pdserve.runtime.config import ModelConfig
@@ -34,6 +41,7 @@ if TYPE_CHECKING:
 # checkpoint_format -> offset added to the stored zero points.
 ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # the tensors of one quantized linear, after "<name>."
+ACT_PARTS = ("input_scale", "input_zero_point")  # a static W8A8 linear's activation parameters
 QUANT_CONFIG_FILE = "quantize_config.json"
 
 
@@ -47,10 +55,25 @@ class QuantConfig:
     sym: bool
     checkpoint_format: str
     raw: dict[str, Any]  # everything the file said, provenance included
+    dynamic: dict[str, dict] | None = None  # GPTQModel's per-module overrides, regex -> fields
+    activations: ActSpec | None = None  # pdserve's W8A8 extension: how inputs are quantized
 
     @property
     def zero_offset(self) -> int:
         return ZERO_OFFSETS[self.checkpoint_format]
+
+    def for_module(self, module: str) -> QuantConfig | None:
+        """This module's config under the `dynamic` rules; None when a "-:" rule leaves it unquantized."""
+        overrides = match_dynamic(self.dynamic, module) if self.dynamic else {}
+        if overrides is None:
+            return None
+        if not overrides:
+            return self
+        bits, group = int(overrides.get("bits", self.bits)), int(overrides.get("group_size", self.group_size))
+        if bits not in SUPPORTED_BITS:
+            raise QuantError(f"unsupported GPTQ bits {bits} for {module} in quantization_config.dynamic")
+        return replace(self, bits=bits, group_size=group, desc_act=bool(overrides.get("desc_act", self.desc_act)),
+                       sym=bool(overrides.get("sym", self.sym)), dynamic=None)
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else -(-in_features // self.group_size)
@@ -71,7 +94,11 @@ def parse_quant_config(raw: dict[str, Any]) -> QuantConfig:
         raise QuantError(f"unsupported GPTQ bits {bits} (supported: {', '.join(map(str, SUPPORTED_BITS))})")
     if group_size != -1 and group_size <= 0:
         raise QuantError(f"invalid GPTQ group_size {group_size} (positive, or -1 for per-channel)")
-    return QuantConfig(bits, group_size, bool(raw.get("desc_act", False)), bool(raw.get("sym", True)), fmt, raw)
+    dynamic = check_dynamic(raw["dynamic"]) if raw.get("dynamic") else None
+    pd = raw.get("pdserve")
+    act = ActSpec.from_json(pd["activations"]) if isinstance(pd, dict) and pd.get("activations") else None
+    return QuantConfig(bits, group_size, bool(raw.get("desc_act", False)), bool(raw.get("sym", True)), fmt, raw,
+                       dynamic, act)
 
 
 def read_quant_config(directory: Path, config_json: dict[str, Any]) -> QuantConfig | None:
@@ -175,17 +202,19 @@ def module_name(weight_name: str) -> str:
 
 def read_quantized_linears(files: list[Path], config: ModelConfig, qc: QuantConfig,
                            dtype: torch.dtype) -> dict[str, QuantizedWeight]:
-    """Every projection stored as qweight/... -> QuantizedWeight under its HF `.weight` name.
+    """Every projection stored as qweight/... -> QuantizedWeight under its HF `.weight` name
+    (an `int8_act.Int8ActWeight` when the config quantizes activations too).
 
     The projections are the spec's quantizable linears (`config.arch`); those stored densely
-    (`.weight`, e.g. left unquantized) are read by the dense path.
+    (`.weight`, e.g. left unquantized) are read by the dense path. Each module is read with its
+    own config under the `dynamic` rules.
     """
     from safetensors import safe_open
 
     arch = config.arch
     names = arch.projection_names(config)
     head = f"{module_name(arch.global_name('lm_head'))}.qweight"
-    wanted = {f"{module_name(n)}.{part}" for n in names for part in PARTS}
+    wanted = {f"{module_name(n)}.{part}" for n in names for part in PARTS + ACT_PARTS}
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
@@ -199,9 +228,21 @@ def read_quantized_linears(files: list[Path], config: ModelConfig, qc: QuantConf
     shapes = arch.expected_shapes(config)
     out: dict[str, QuantizedWeight] = {}
     for name in names:
-        if f"{module_name(name)}.qweight" in tensors:
-            rows, cols = shapes[name]
-            out[name] = build_quantized_weight(module_name(name), tensors, rows, cols, qc, dtype)
+        module = module_name(name)
+        if f"{module}.qweight" not in tensors:
+            continue
+        mqc = qc.for_module(module)
+        if mqc is None:
+            raise QuantError(f"tensor {module}.qweight is quantized but quantization_config.dynamic leaves "
+                             f"{module} unquantized (a \"-:\" rule)")
+        rows, cols = shapes[name]
+        # W8A8 keeps its scales in fp32 whatever the load dtype (its epilogue runs in fp32).
+        out[name] = build_quantized_weight(module, tensors, rows, cols, mqc,
+                                           torch.float32 if qc.activations else dtype)
+        if qc.activations is not None:
+            from pdserve.quant.int8_act import read_act_weight  # noqa: PLC0415 (it imports this module)
+
+            out[name] = read_act_weight(module, out[name], tensors, qc.activations)
     return out
 
 

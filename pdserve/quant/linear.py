@@ -7,6 +7,8 @@
   instead, which reads the packed words directly; more rows dequantize once and run a GEMM.
 - Int4Linear (pdserve.quant.int4_cpu): 4-bit codes packed for torch's CPU int4 kernel
   (`--weight-format int4`).
+- W8A8Linear (pdserve.quant.int8_act): INT8 weights and INT8 activations (quantized per token, or
+  with calibrated static scales) in an integer matmul.
 - ConcatLinear: parts whose outputs are concatenated, for fused q/k/v or gate/up that cannot be
   merged into one matrix (different g_idx, or dense next to quantized).
 """
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from pdserve.quant.gptq_format import QuantizedWeight
 from pdserve.quant.int4_cpu import Int4Codes, Int4Linear
+from pdserve.quant.int8_act import Int8ActWeight, W8A8Linear, fusable
 from pdserve.quant.packing import per_word
 
 
@@ -127,12 +130,14 @@ class ConcatLinear:
         return sum(p.nbytes for p in self.parts)
 
 
-WeightLike = torch.Tensor | QuantizedWeight | Int4Codes
+WeightLike = torch.Tensor | QuantizedWeight | Int4Codes | Int8ActWeight
 
 
 def as_linear(weight: WeightLike, bias: torch.Tensor | None = None) -> Linear:
     if isinstance(weight, Int4Codes):
         return Int4Linear(weight, bias)
+    if isinstance(weight, Int8ActWeight):
+        return W8A8Linear.of([weight], bias)
     return QuantLinear.of([weight], bias) if isinstance(weight, QuantizedWeight) else DenseLinear(weight, bias)
 
 
@@ -141,8 +146,8 @@ def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] |
 
     Dense weights are concatenated into one matrix (as before quantization existed). Quantized ones
     are concatenated along output channels when they share bits and g_idx, which q/k/v (and
-    gate/up) do when quantized together: same inputs, same Hessian, same activation order. Else
-    each part runs on its own.
+    gate/up) do when quantized together: same inputs, same Hessian, same activation order; W8A8
+    ones when they share the input's quantization. Else each part runs on its own.
     """
     bias = torch.cat(list(biases)) if biases is not None else None
     if all(isinstance(w, torch.Tensor) for w in weights):
@@ -151,6 +156,8 @@ def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] |
         return QuantLinear.of(weights, bias)
     if all(isinstance(w, Int4Codes) for w in weights):
         return Int4Linear.fused(weights, bias)
+    if fusable(weights):  # W8A8 parts with one input quantization (q/k/v observe the same input)
+        return W8A8Linear.of(weights, bias)
     parts = []
     for j, w in enumerate(weights):
         parts.append(as_linear(w, None if biases is None else biases[j]))
