@@ -49,6 +49,8 @@ def apply_logit_bias(logits: torch.Tensor, bias: Seq[tuple[int, float]]) -> torc
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """probs: [V] -> the renormalised distribution with tokens outside the filters at 0."""
+    if min_p <= 0 and top_k <= 0 and top_p >= 1.0:
+        return probs  # no filter: skip the sort of the whole vocabulary
     if min_p > 0:
         probs = torch.where(probs < min_p * probs.max(), 0.0, probs)
     sorted_p, order = probs.sort(descending=True)
