@@ -22,6 +22,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from waiting import wait_until
+
 CHROMIUM = Path("/usr/bin/chromium")
 needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(),
                                     reason="/usr/bin/chromium is absent: run scripts/ensure-chromium.sh (as root) "
@@ -46,15 +48,18 @@ class Browser:
 
     def devtools_port(self, timeout_s: float = 30.0) -> int:
         # With --remote-debugging-port=0 chromium picks a port and writes it to the profile.
+        port = wait_until(self._written_port, timeout_s)
+        if not port:
+            raise TimeoutError("chromium did not open its DevTools port")
+        return port
+
+    def _written_port(self) -> int | None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"chromium exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]!r}")
         active = Path(self.profile.name) / "DevToolsActivePort"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"chromium exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]!r}")
-            if active.exists() and (text := active.read_text().split("\n"))[0].isdigit():
-                return int(text[0])
-            time.sleep(0.05)
-        raise TimeoutError("chromium did not open its DevTools port")
+        if active.exists() and (text := active.read_text().split("\n"))[0].isdigit():
+            return int(text[0])
+        return None
 
     def close(self) -> None:
         self._signal_group(signal.SIGTERM)

@@ -6,7 +6,8 @@
     POST /tokenize, /detokenize; GET /version         (vLLM's utility endpoints)
 
 Modules: `app` (routes, server start/stop), `handlers` (endpoints over the `deployments.Catalog`),
-`openai_schema` (OpenAI JSON <-> the gateway's dataclasses), `sse` (event framing),
+`openai_schema` (OpenAI request JSON -> the gateway's dataclasses), `openai_responses` (OpenAI
+response JSON), `sse` (event framing),
 `errors` (OpenAI error JSON, one status mapping), `tools` (tool calling), `utility` (tokenize,
 detokenize, version), `cors` (--allowed-origins), `static/index.html` (the page).
 See docs/http-api.md and docs/http-surface.md.

@@ -6,7 +6,7 @@ naming the served models when unknown) -> each prompt tokenized once, checked ag
 deployment's context window and vocabulary, the default max_tokens filled in (`_fit`; the flow
 takes the ids, `GenerationRequest.prompt_ids`) -> n choices per prompt (`_choices`: seed + i,
 one `DecodeAffinity` per prompt), each a `Catalog.run` of its own (the deployment's flow; the
-experiment learns the outcome), interleaved by `_run_choices` -> `ChoiceOutput`s (openai_schema). The response names the
+experiment learns the outcome), interleaved by `_run_choices` -> `ChoiceOutput`s (openai_responses). The response names the
 public model; `X-Pdserve-Deployment` the deployment. The first chunk is awaited *before* the
 response starts, so every error the flow raises up to the first token (prompt too long, queue
 full, no workers) still gets its own HTTP status; after that a stream can only report an error
@@ -49,9 +49,9 @@ from gateway.deadlines import Deadlines
 from gateway.deployments import Catalog, Route, UnknownModel
 from gateway.flow import DecodeAffinity, GenerationRequest, RequestFlow
 from gateway.http.errors import ApiError, api_error_of, json_dumps, public_message
-from gateway.http.openai_schema import (ApiRequest, ChoiceOutput, chunk_json, completion_json, parse_chat,
-                                        parse_completion, system_fingerprint, total_usage, usage_chunk_json,
-                                        with_tools)
+from gateway.http.openai_responses import (ChoiceOutput, chunk_json, completion_json, system_fingerprint, total_usage,
+                                           usage_chunk_json)
+from gateway.http.openai_schema import ApiRequest, parse_chat, parse_completion, with_tools
 from gateway.http.tools import delta_json
 from gateway.http.sse import SSEWriter
 from gateway.observe import RequestObserver, observe_request
