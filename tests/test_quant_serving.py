@@ -121,6 +121,16 @@ def test_gptq_beats_rtn_on_stories260k(fp32):
     assert kls["gptq"] < 0.8 * kls["rtn"], kls
 
 
+def test_calibration_auto_follows_the_model(fp32, smollm2):
+    """`--calib auto` (the default) calibrates a chat model on chat text and stories260K on stories."""
+    from pdserve.quant.calibration import resolve_set
+
+    assert resolve_set("auto", smollm2.tokenizer) == "smollm2"
+    assert resolve_set("auto", fp32.tokenizer) == "stories260k"
+    assert resolve_set("my.jsonl", smollm2.tokenizer) == "my.jsonl"
+    assert build_parser().parse_args(["quantize", "--model", "m", "--out", "o"]).calib == "auto"
+
+
 def test_quantize_refuses_bad_flags(tmp_path, capsys):
     assert quantize(tmp_path / "a", "--bits", "3") == 2
     assert "unsupported bits 3 (supported: 4, 8)" in capsys.readouterr().err

@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--percentile", type=float, default=99.99,
                    help="w8a8 --observer percentile: the percentile kept (its mirror is the low end)")
     p.add_argument("--desc-act", action="store_true", help="GPTQ in activation order (act-order)")
-    p.add_argument("--calib", default="stories260k",
-                   help="calibration text: builtin set name (stories260k) or a .jsonl/.txt file")
+    p.add_argument("--calib", default="auto",
+                   help="calibration text: auto (smollm2's chat documents for a model with a chat template, "
+                        "else stories260k), a builtin set name (smollm2, stories260k) or a .jsonl/.txt file")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration rows")
     p.add_argument("--calib-seq-len", type=int, default=128, help="tokens per calibration row")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ damping, as a fraction of the mean Hessian diagonal")
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace):
-    from pdserve.quant.calibration import load_texts, token_chunks
+    from pdserve.quant.calibration import load_texts, resolve_set, token_chunks
     from pdserve.quant.checkpoint import quantization_config, save_quantized
     from pdserve.quant.layerwise import STAGES, W8A8_WEIGHTS, quantize_model, quantize_w8a8
     from pdserve.quant.progress import ProgressBar
@@ -82,8 +83,9 @@ def _quantize(args: argparse.Namespace):
                   "created_by": "pdserve quantize"}
     calib = None
     if args.method == "gptq" or (act is not None and act.scheme == "static"):
-        calib = token_chunks(checkpoint.tokenizer, load_texts(args.calib), args.calib_seq_len, args.calib_samples)
-        provenance["calibration"] = {"set": args.calib, "rows": int(calib.shape[0]), "seq_len": args.calib_seq_len}
+        calib_set = resolve_set(args.calib, checkpoint.tokenizer)
+        calib = token_chunks(checkpoint.tokenizer, load_texts(calib_set), args.calib_seq_len, args.calib_samples)
+        provenance["calibration"] = {"set": calib_set, "rows": int(calib.shape[0]), "seq_len": args.calib_seq_len}
     bar = ProgressBar(checkpoint.config.num_layers * len(STAGES), f"{args.method} int{spec.bits}")
     if act is not None:
         weights = quantize_w8a8(checkpoint.config, checkpoint.weights, act, calib, bar)

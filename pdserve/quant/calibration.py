@@ -28,6 +28,23 @@ CALIB_PROMPTS = DATA_DIR / "smollm2_calib_prompts.jsonl"
 SMOLLM2_SEED, SMOLLM2_ANSWERS_PER_PROMPT, SMOLLM2_MAX_TOKENS = 3000, 2, 192
 
 
+AUTO = "auto"
+
+
+def has_chat_template(tokenizer) -> bool:
+    inner = getattr(tokenizer, "_tok", None)  # HFTokenizer wraps transformers' tokenizer
+    return bool(getattr(tokenizer, "chat_template", None) or getattr(inner, "chat_template", None))
+
+
+def resolve_set(source: str, tokenizer) -> str:
+    """`source`, with "auto" made the builtin set that matches the model: the chat documents of
+    `smollm2` for a chat model (its tokenizer has a chat template), else the `stories260k` stories.
+    Calibration text should look like what the model will be asked to do."""
+    if source != AUTO:
+        return source
+    return "smollm2" if has_chat_template(tokenizer) else "stories260k"
+
+
 def load_texts(source: str) -> list[str]:
     """The documents of a builtin set name or a file path."""
     path = BUILTIN.get(source) or Path(source).expanduser()

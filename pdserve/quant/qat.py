@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.quant.calibration import has_chat_template
 from pdserve.quant.gptq_format import QuantizedWeight
 from pdserve.quant.quantizer import group_params, rtn_quantize
 from pdserve.quant.spec import QuantError, QuantSpec
@@ -232,11 +233,6 @@ def load_prompts(source: str, tokenizer) -> tuple[str, list[str]]:
     if not prompts:
         raise QuantError(f"--calibration {path}: no prompts (one per line)")
     return source, prompts
-
-
-def has_chat_template(tokenizer) -> bool:
-    inner = getattr(tokenizer, "_tok", None)  # HFTokenizer wraps transformers' tokenizer
-    return bool(getattr(tokenizer, "chat_template", None) or getattr(inner, "chat_template", None))
 
 
 def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
