@@ -76,6 +76,19 @@ def test_quantized_directory_loads_with_its_gguf_tokenizer(int8_dir, fp32):
             assert err <= w.abs().max().item() / 127, name  # within one INT8 step of the row's scale
 
 
+def test_a_quantized_directory_passes_its_gguf_tokenizer_on(int8_dir, tmp_path):
+    """Re-saving a checkpoint whose tokenizer is a tokenizer.gguf (e.g. quantizing a quantize output)
+    copies that file: the tokenizer of the new directory encodes as the source's."""
+    from pdserve.quant.checkpoint import save_tokenizer
+    from pdserve.runtime.gguf_reader import load_gguf_tokenizer
+    from pdserve.runtime.hf_reader import GGUF_TOKENIZER_FILE
+
+    source = load_checkpoint(int8_dir)
+    save_tokenizer(source, tmp_path)
+    copy = load_gguf_tokenizer(tmp_path / GGUF_TOKENIZER_FILE)
+    assert copy.encode(PROMPTS[0]) == source.tokenizer.encode(PROMPTS[0])
+
+
 def test_int8_greedy_output_agrees_with_fp32(int8_dir, fp32):
     ref_out, int8 = greedy(fp32), load_checkpoint(int8_dir)
     assert agreement(ref_out, greedy(int8)) >= INT8_GREEDY_PREFIX_TARGET

@@ -116,11 +116,15 @@ def references(max_tokens: int, model: str, dtype: str) -> tuple[list[list[int]]
 
     import torch
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only fight the stack's processes for the cores
-    checkpoint = load_checkpoint(resolve_model_path(model), dtype=getattr(torch, dtype))
-    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(dtype=dtype), dtype=dtype))
-    prompts = [checkpoint.tokenizer.encode(p) for p in ALL_PROMPTS]
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    try:
+        checkpoint = load_checkpoint(resolve_model_path(model), dtype=getattr(torch, dtype))
+        engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(dtype=dtype), dtype=dtype))
+        prompts = [checkpoint.tokenizer.encode(p) for p in ALL_PROMPTS]
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    finally:  # the caller's setting back: soak runs inside other processes too (the test suite)
+        torch.set_num_threads(threads)
     return [r.output_ids for r in outputs], checkpoint, engine
 
 

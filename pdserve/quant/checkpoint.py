@@ -71,7 +71,9 @@ def model_config_json(checkpoint) -> dict[str, Any]:
 
 def save_tokenizer(checkpoint, out_dir: Path) -> None:
     src = checkpoint.source
-    if src.is_dir():
+    if src.is_dir() and (src / GGUF_TOKENIZER_FILE).is_file():  # a quantized directory made from a GGUF
+        (out_dir / GGUF_TOKENIZER_FILE).write_bytes((src / GGUF_TOKENIZER_FILE).read_bytes())
+    elif src.is_dir():
         checkpoint.tokenizer._tok.save_pretrained(str(out_dir))  # HFTokenizer wraps transformers'
     else:
         write_gguf_tokenizer(src, out_dir / GGUF_TOKENIZER_FILE)
