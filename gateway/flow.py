@@ -121,11 +121,21 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...] | None = None
     affinity: DecodeAffinity | None = None  # shared by sibling requests (n choices): one decode worker
     tools: tuple[Mapping[str, Any], ...] | None = None  # OpenAI tools the chat template renders
+    tenant: str = ""  # its API key's digest ("" without keys, gateway.request_ids.tenant_of)
 
     @property
     def public_id(self) -> str:
         """The id the client sees in responses: its own, else the gateway's."""
         return self.client_request_id or self.request_id
+
+    @property
+    def session_key(self) -> str:
+        """The session as the gateway tracks it: the client's session_id within its tenant, so that a
+        caller with another key who sends the same id neither steers this session's routing and
+        prefetch nor learns from them ("" without a session)."""
+        if not self.session_id or not self.tenant:
+            return self.session_id
+        return f"{self.tenant[:32]}/{self.session_id}"
 
 
 class RequestFlow:
@@ -188,7 +198,7 @@ class RequestFlow:
         hashes = m.kv_format.full_block_hashes(prompt_ids)
         cached_blocks, resident = await self._lookup(hashes)
         affinity = request.affinity
-        session_home = self._session_arrival(request.session_id) or (affinity.address if affinity else "")
+        session_home = self._session_arrival(request.session_key) or (affinity.address if affinity else "")
         blocks_needed = m.kv_format.blocks_for(len(prompt_ids) + sampling.max_tokens)
         # Before prefill: no point computing KV nobody can decode.
         hinted = self.decode_pool.pick_decode(blocks_needed, resident, session_home)
@@ -204,7 +214,7 @@ class RequestFlow:
                 result = None
                 if placement == "remote":
                     result = await self._prefill(rid, prompt_ids, sampling, cached_blocks, time_remaining,
-                                                 self._prefill_home(request.session_id))
+                                                 self._prefill_home(request.session_key))
             if result is not None:
                 out = self._assembler(prompt_ids, sampling, result.prompt_tokens, result.cached_tokens)
                 first_lp = (result.first_logprob,) if result.first_logprob else ()
@@ -212,7 +222,7 @@ class RequestFlow:
                 yield out.add((result.first_token,), first_lp, result.finish_reason)
                 if out.finished:
                     self._end_lease(rid)  # no decode worker will ever own this request's blocks
-                    self._session_end(request.session_id, "", prompt_ids, progress.generated, result.worker)
+                    self._session_end(request.session_key, "", prompt_ids, progress.generated, result.worker)
                     return
             decode_ep = hinted if hinted.healthy else self.decode_pool.pick_decode(blocks_needed, resident)
             parts = self._decode(decode_ep, rid, progress, result, blocks_needed, time_remaining)
@@ -223,7 +233,7 @@ class RequestFlow:
                     progress.generated.extend(part.token_ids)
                     chunk = out.add(part.token_ids, part.logprobs, part.finish_reason)
                     if chunk.finish_reason:
-                        self._session_end(request.session_id, progress.worker, prompt_ids, progress.generated,
+                        self._session_end(request.session_key, progress.worker, prompt_ids, progress.generated,
                                           result.worker if result is not None else "")
                     yield chunk
                     if out.finished:

@@ -132,7 +132,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         self._start_slo_tick()
         self.limits.check_ids(request)
-        with self.ids.claim(tenant_of_call(context), request), \
+        request = dataclasses.replace(request, tenant=tenant_of_call(context))
+        with self.ids.claim(request.tenant, request), \
                 observe_request(request.public_id, request.session_id, self.slo) as obs:
             route = self.catalog.route(model, request)
             async with aclosing(self.catalog.run(route, request, context.time_remaining)) as stream:

@@ -383,3 +383,22 @@ def test_decode_failure_deadline_cancel_and_limit(model: ModelInfo) -> None:
                 await asyncio.sleep(0.05)
             assert st.flow.limit.inflight == 0
     asyncio.run(scenario())
+
+
+def test_sessions_are_scoped_by_api_key(model: ModelInfo) -> None:
+    """Two callers with different keys who send the same session_id are two sessions: one's turns
+    never give the other a routing home or a prefetch (the gateway tracks tenant/session)."""
+    from gateway.request_ids import tenant_of
+    from gateway.sessions import SessionTracker
+
+    async def scenario() -> None:
+        async with gateway_stack(model) as st:
+            st.flow.sessions = tracker = SessionTracker()
+            request = gateway_pb2.GenerateRequest(prompt="Once", session_id="chat-1",
+                                                  sampling=common_pb2.SamplingParams(max_tokens=4))
+            await _collect(st.stub.Generate(request, metadata=(("authorization", "Bearer key-a"),)))
+            key_a = f"{tenant_of('Bearer key-a')[:32]}/chat-1"
+            assert tracker.prefill_home(key_a)  # A's turn ran: its session has a home
+            assert tracker.prefill_home("chat-1") == ""  # ...kept under A's key only
+            assert tracker.arrival(f"{tenant_of('Bearer key-b')[:32]}/chat-1") == ""  # B starts fresh
+    asyncio.run(scenario())

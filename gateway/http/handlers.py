@@ -110,9 +110,10 @@ class ApiHandlers:
 
     async def _complete(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
         """Check the client's ids, hold its request id while the request runs (`_serve`)."""
-        api = api.with_client_id(request.headers.get(REQUEST_ID_HEADER, ""))
+        api = api.with_client(request.headers.get(REQUEST_ID_HEADER, ""),
+                              tenant_of(request.headers.get("Authorization")))
         self.limits.check_ids(api.request)  # ValueError: 400
-        with self.ids.claim(tenant_of(request.headers.get("Authorization")), api.request):  # 409 when in flight
+        with self.ids.claim(api.request.tenant, api.request):  # 409 when in flight
             return await self._serve(request, api)
 
     async def _serve(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:

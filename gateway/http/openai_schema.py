@@ -95,10 +95,10 @@ class ApiRequest:
             return "messages"
         return "prompt" if len(self.requests) == 1 else f"prompt[{index}]"
 
-    def with_client_id(self, client_id: str) -> ApiRequest:
-        """Every prompt's request carrying the client's request id (X-Request-Id)."""
+    def with_client(self, client_id: str, tenant: str) -> ApiRequest:
+        """Every prompt's request carrying the client's request id (X-Request-Id) and its tenant."""
         return dataclasses.replace(self, requests=tuple(
-            dataclasses.replace(r, client_request_id=client_id) for r in self.requests))
+            dataclasses.replace(r, client_request_id=client_id, tenant=tenant) for r in self.requests))
 
 
 def parse_chat(body: Any) -> ApiRequest:
