@@ -26,6 +26,11 @@ Each block the sequence fills is written back to the kvstore, unpinned, in the b
 (decode.write_back): a resume on another worker, or the next turn of the conversation, finds the
 prompt and the answer so far by prefix lookup on any worker.
 
+Draining (SIGTERM; pdserve.drain): new Decode calls are refused with UNAVAILABLE, running streams
+go on until the drain deadline; then each remaining stream waits for its write-backs in flight
+and ends with UNAVAILABLE after the last token it sent, and the gateway resumes it on another
+decode worker, which finds the prompt and the answer's full blocks in the kvstore.
+
 A background task reports the paged cache's full blocks to the kvstore's residency index (about
 once a second, as deltas) so the gateway can route a prompt to the worker that holds its prefix.
 """
@@ -34,11 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 import grpc
 
 from pdserve.block_prefetch import BlockPrefetcher, answer_prepare
 from decode.write_back import BlockWriteBack
+from pdserve.drain import HANDOVER_FLUSH_S, Drain, HandedOver
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
 from pdserve.runtime.engine import AddRequest
@@ -58,10 +65,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.write_back = config.kv_write_back if write_back is None else write_back
         interval = residency_interval_s or config.residency_interval_s
         self._tasks: set[asyncio.Task] = set()
+        self.drain = Drain(f"decode worker {worker.worker_id}")
         self._reporter = asyncio.get_running_loop().create_task(self._report_residency_forever(interval))
 
     async def Prepare(self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrepareResponse:
+        if self.drain.draining:  # a hint: nothing is worth moving to a worker that is leaving
+            return worker_pb2.PrepareResponse()
         return await answer_prepare(self.prefetcher, request, context, "dispatch")
 
     @abort_on(WORKER_ERROR_CODES)
@@ -79,29 +89,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         else:
             hashes = list(request.block_hashes)
             tokens = prompt + [request.first_token]
-        writer = BlockWriteBack(self.worker, rid, tokens, self._spawn) if self.write_back else None
-        lease = RequestLease(self.worker, rid)  # ended once: when the KV is in our cache, or on leaving
-        imported = False
-        try:
-            blocks = await lease.run(self.prefetcher.gather(rid, hashes))
-            if request.local_prefill:
-                add = AddRequest(rid, prompt, params, blocks=blocks, resumed_tokens=request.resumed_tokens)
-            else:
-                add = AddRequest(rid, prompt, params, blocks=blocks, first_token=request.first_token,
-                                 prompt_hashes=hashes)
-            async for outs in self.worker.aengine.generate(add):
-                if not imported:
-                    imported = True
-                    lease.end(drop=False)  # the KV is in our cache now
-                new_tokens = [t for o in outs for t in o.new_token_ids]
-                if writer is not None:
-                    writer.extend(new_tokens)
-                yield worker_pb2.DecodeChunk(token_ids=new_tokens,
-                                             logprobs=logprobs_to_proto(lp for o in outs for lp in o.logprobs),
-                                             finish_reason=outs[-1].finish_reason,
-                                             cached_tokens=outs[0].cached_tokens if request.local_prefill else 0)
-        finally:
-            lease.end(drop=True)  # a no-op once imported
+        with self.drain.call():  # UNAVAILABLE at once while draining: the gateway goes elsewhere
+            writer = BlockWriteBack(self.worker, rid, tokens, self._spawn) if self.write_back else None
+            lease = RequestLease(self.worker, rid)  # ended once: when the KV is in our cache, or on leaving
+            imported, handed_over = False, False
+            try:
+                blocks = await self.drain.unless_handed_over(lease.run(self.prefetcher.gather(rid, hashes)))
+                if request.local_prefill:
+                    add = AddRequest(rid, prompt, params, blocks=blocks, resumed_tokens=request.resumed_tokens)
+                else:
+                    add = AddRequest(rid, prompt, params, blocks=blocks, first_token=request.first_token,
+                                     prompt_hashes=hashes)
+                # aclosing: leaving early (client gone, handover) aborts the sequence at once.
+                async with aclosing(self.worker.aengine.generate(add)) as stream:
+                    while (outs := await self.drain.unless_handed_over(anext(stream, None))) is not None:
+                        if not imported:
+                            imported = True
+                            lease.end(drop=False)  # the KV is in our cache now
+                        new_tokens = [t for o in outs for t in o.new_token_ids]
+                        if writer is not None:
+                            writer.extend(new_tokens)
+                        yield worker_pb2.DecodeChunk(
+                            token_ids=new_tokens, logprobs=logprobs_to_proto(lp for o in outs for lp in o.logprobs),
+                            finish_reason=outs[-1].finish_reason,
+                            cached_tokens=outs[0].cached_tokens if request.local_prefill else 0)
+            except HandedOver:
+                handed_over = True
+                if writer is not None:  # so that the worker resuming it finds every full block
+                    await writer.flush(HANDOVER_FLUSH_S)
+                raise
+            finally:
+                lease.end(drop=not handed_over)  # a no-op once imported; a handed-over request keeps its blocks
 
     async def _report_residency_forever(self, interval_s: float) -> None:
         reported: set[bytes] | None = None  # None: the kvstore needs a full report
@@ -128,16 +146,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await kv.report_residency(wid, current, (), reset=True)
         return current
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Future:
         # A task of its own: it must run even when this call is being cancelled.
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> worker_pb2.WorkerStats:
         return self.worker.stats()
 
 
-def add_to_server(worker: Worker, server: grpc.aio.Server) -> None:
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
+def add_to_server(worker: Worker, server: grpc.aio.Server) -> DecodeServicer:
+    """Serve a DecodeServicer of `worker` on `server`; the servicer (run_worker drains it on SIGTERM)."""
+    servicer = DecodeServicer(worker)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    return servicer

@@ -9,10 +9,14 @@ Each newly full block is exported from the paged cache and put, unpinned, in a b
 the token stream never waits for it, and a failed put is only logged (`KVOutage`, once per
 outage). Blocks the store already holds (the prompt, put by prefill) are skipped by a presence
 check before any data moves; every block is considered once, so nothing is sent twice.
+
+A stream handed over by a draining worker (pdserve.drain) waits for its puts in flight (`flush`)
+before it ends: the worker that resumes it then finds every full block instead of recomputing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 
@@ -20,7 +24,7 @@ from pdserve.worker_common import Worker, put_blocks
 
 log = logging.getLogger(__name__)
 
-Spawn = Callable[[Coroutine], None]
+Spawn = Callable[[Coroutine], asyncio.Future]  # runs a coroutine as a task of its own
 
 
 class BlockWriteBack:
@@ -33,13 +37,24 @@ class BlockWriteBack:
         self.chain: list[bytes] = []  # hashes of the full blocks considered so far, in order
         self._spawn = spawn
         self.written = 0  # blocks this sequence put into the store (stored or already present)
+        self._pending: set[asyncio.Future] = set()  # puts in flight
 
     def extend(self, new_tokens: Sequence[int]) -> None:
         """Record generated tokens; puts the blocks they completed in the background."""
         self.tokens.extend(new_tokens)
         new = self._new_full_blocks()
         if new:
-            self._spawn(self._put(new))
+            task = self._spawn(self._put(new))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) for the puts in flight; whether they all ended. They go on
+        after a timeout, and a failed one is only logged, as ever."""
+        if not self._pending:
+            return True
+        _, pending = await asyncio.wait(set(self._pending), timeout=timeout_s)
+        return not pending
 
     def _new_full_blocks(self) -> list[bytes]:
         fmt = self.worker.kv_format

@@ -56,12 +56,14 @@ class GatewayConfig(FromFlags):
                                                "comma-separated; docs/http-surface.md)", env=ORIGINS_ENV,
                                                append=True, split=",", metavar="ORIGIN[,ORIGIN...]",
                                                shown="none: no CORS headers")
-    prefill: str | None = setting(None, "prefill workers: host:port, or dns:///name:port for every address of a "
-                                  "name (required without --config)", type=str, metavar="TARGET[,TARGET...]",
-                                  shown="none")
-    decode: str | None = setting(None, "decode workers: host:port, or dns:///name:port for every address of a "
-                                 "name (required without --config)", type=str, metavar="TARGET[,TARGET...]",
-                                 shown="none")
+    prefill: str | None = setting(None, "prefill workers: host:port, dns:///name:port for every address of a name, "
+                                  "or file:///path of a list file of those, re-read when it changes "
+                                  "(docs/kubernetes.md#membership; required without --config)", type=str,
+                                  metavar="TARGET[,TARGET...]", shown="none")
+    decode: str | None = setting(None, "decode workers: host:port, dns:///name:port for every address of a name, "
+                                 "or file:///path of a list file of those, re-read when it changes "
+                                 "(docs/kubernetes.md#membership; required without --config)", type=str,
+                                 metavar="TARGET[,TARGET...]", shown="none")
     serve_config: str | None = setting(None, "TOML file of named deployments and A/B experiments "
                                        "(docs/experiments.md); replaces --prefill/--decode/--kvstore/--model/"
                                        "--block-size/--kv-dtype", flag="--config", type=str, metavar="FILE",

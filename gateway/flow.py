@@ -67,7 +67,7 @@ from gateway import observe, worker_calls
 from gateway.background import spawn
 from gateway.deadlines import Deadlines
 from gateway.limits import InflightLimit
-from gateway.metrics import PREFIX_CACHE_HIT_TOKENS, PROMPT_TOKENS
+from gateway.metrics import PREFIX_CACHE_HIT_TOKENS
 from gateway.output import OutputAssembler, OutputChunk
 from gateway.placement import AlwaysRemote, Placement, PlacementInputs, PrefillPlacement
 from gateway.prompts import check_fits, check_vocab, encode_off_loop, prompt_chars
@@ -252,7 +252,6 @@ class RequestFlow:
 
     def _assembler(self, prompt_ids: list[int], sampling: SamplingParams, prompt_tokens: int,
                    cached_tokens: int) -> OutputAssembler:
-        PROMPT_TOKENS.inc(prompt_tokens)
         PREFIX_CACHE_HIT_TOKENS.inc(cached_tokens)
         return OutputAssembler(self.model.tokenizer, prompt_ids, sampling, prompt_tokens, cached_tokens)
 

@@ -136,9 +136,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self.ids.claim(request.tenant, request), \
                 observe_request(request.public_id, request.session_id, self.slo) as obs:
             route = self.catalog.route(model, request)
+            obs.describe(route.deployment.name, request)
             async with aclosing(self.catalog.run(route, request, context.time_remaining)) as stream:
                 async for chunk in stream:
-                    obs.chunk(len(chunk.token_ids))
+                    obs.output(chunk)
                     yield response_of(request.public_id, chunk, route.deployment.name)
 
     def _start_slo_tick(self) -> None:

@@ -1,12 +1,16 @@
 """Worker targets given on the command line, and how they turn into endpoint addresses.
 
-Two forms:
+Three forms:
 - `host:port` (or `[v6addr]:port`): one endpoint. A hostname is resolved by gRPC itself, which
   connects to one of its addresses; use it for a single worker.
 - `dns:///name:port` (gRPC's DNS target syntax, no DNS authority): every IPv4 (A record) address
   the name resolves to is its own endpoint. The gateway resolves it at start and again on each
   health probe, so replicas that come and go behind one name (compose's `deploy.replicas`, a
   Kubernetes headless service) are routed to and health-checked one by one.
+- `file:///absolute/path`: a list file of targets of the first two forms, one a line
+  (gateway.target_file). The gateway re-reads it whenever it changes (its mtime is polled on each
+  health probe), so whoever writes it (`pdserve up`/`pdserve scale`, a config-management agent)
+  adds and removes workers without a restart.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import socket
 from dataclasses import dataclass
 
 DNS_SCHEME = "dns:"
+FILE_SCHEME = "file:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +41,22 @@ class Target:
         return f"dns:///{self.address}" if self.resolve_all else self.address
 
 
-def parse_target(text: str) -> Target:
-    """Parse `host:port`, `[v6]:port`, `dns:///host:port` or `dns:host:port`; ValueError if malformed."""
+@dataclass(frozen=True, slots=True)
+class FileTarget:
+    """A watched list file of targets (gateway.target_file)."""
+
+    path: str  # absolute
+
+    def __str__(self) -> str:
+        return f"file://{self.path}"
+
+
+def parse_target(text: str) -> Target | FileTarget:
+    """Parse `host:port`, `[v6]:port`, `dns:///host:port`, `dns:host:port` or `file:///path`;
+    ValueError if malformed."""
     text = text.strip()
+    if text.startswith(FILE_SCHEME):
+        return _parse_file_target(text)
     resolve_all = text.startswith(DNS_SCHEME)
     rest = text[len(DNS_SCHEME):] if resolve_all else text
     if rest.startswith("//"):
@@ -48,6 +66,22 @@ def parse_target(text: str) -> Target:
                              "write dns:///host:port")
     host, port = _split_host_port(rest, text)
     return Target(host, port, resolve_all)
+
+
+def parse_address_target(text: str) -> Target:
+    """A target that names workers itself (not a list file): a list file's line."""
+    target = parse_target(text)
+    if isinstance(target, FileTarget):
+        raise ValueError(f"target {text!r}: a list file cannot name another list file")
+    return target
+
+
+def _parse_file_target(text: str) -> FileTarget:
+    rest = text[len(FILE_SCHEME):]
+    path = rest[2:] if rest.startswith("//") else ""  # file://<authority><path>: only an empty authority
+    if not path.startswith("/"):
+        raise ValueError(f"target {text!r}: write a list file as file:///absolute/path")
+    return FileTarget(path)
 
 
 def _split_host_port(hostport: str, original: str) -> tuple[str, int]:
@@ -60,11 +94,11 @@ def _split_host_port(hostport: str, original: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def parse_target_list(text: str) -> list[Target]:
+def parse_target_list(text: str) -> list[Target | FileTarget]:
     """Parse a comma-separated list of targets (the --prefill / --decode flags)."""
     targets = [parse_target(part) for part in text.split(",") if part.strip()]
     if not targets:
-        raise ValueError("expected at least one target (host:port or dns:///host:port)")
+        raise ValueError("expected at least one target (host:port, dns:///host:port or file:///path)")
     return targets
 
 

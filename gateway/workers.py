@@ -2,9 +2,11 @@
 
 A pool starts from its targets (see `targets`): each resolved address becomes a
 `WorkerEndpoint` with its own channel and stub. A background task probes every endpoint's
-`grpc.health.v1` (service "") each `probe_interval_s`; it also re-resolves `dns:///` targets,
-adding endpoints for new addresses and retiring the ones gone (their channel is closed once their
-last call ends). An endpoint is marked down by `unhealthy_after` (2) failed probes in a row (one
+`grpc.health.v1` (service "") each `probe_interval_s`; it also re-resolves `dns:///` targets and
+re-reads `file:///` list files that changed (gateway.target_file), adding endpoints for new
+addresses and retiring the ones gone: a retired endpoint gets no new call, its calls in flight
+(streams) run to their end, and its channel is closed once the last one ends. An endpoint is
+marked down by `unhealthy_after` (2) failed probes in a row (one
 slow probe on a busy machine is no reason to drop a worker; PDSERVE_PROBE_FAILURES) or at once by
 `mark_down` (a call saw UNAVAILABLE), and comes back up on the next successful probe. `pick` asks `router` for the
 least-loaded healthy endpoint; `pick_decode` for the KV-aware choice, using what each probe also
@@ -45,7 +47,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.breaker import BreakerConfig, CircuitBreaker, State
 from gateway.retry import RetryBudget, RetryBudgetConfig
 from gateway.router import Candidate, DecodeCandidate, pick_decode, pick_least_loaded
-from gateway.targets import Target, resolve
+from gateway.target_file import TargetFile
+from gateway.targets import FileTarget, Target, resolve
 from pdserve.grpc_server import ServiceError, grpc_channel
 from pdserve.v1 import worker_pb2
 
@@ -135,7 +138,7 @@ def _expire(timeout: asyncio.Timeout) -> None:
 class WorkerPool:
     """The endpoints of one kind of worker, with health probing and least-loaded picking."""
 
-    def __init__(self, kind: str, targets: Sequence[Target], stub_factory: StubFactory,
+    def __init__(self, kind: str, targets: Sequence[Target | FileTarget], stub_factory: StubFactory,
                  probe_interval_s: float = 1.0, probe_timeout_s: float = 1.0,
                  breaker: BreakerConfig | None = None, retry_budget: RetryBudget | None = None,
                  unhealthy_after: int | None = None) -> None:
@@ -148,8 +151,9 @@ class WorkerPool:
         self.breaker_config = breaker or BreakerConfig.from_env()
         self.retry_budget = retry_budget or RetryBudget(RetryBudgetConfig.from_env())
         self.endpoints: list[WorkerEndpoint] = []  # what `pick` chooses from, in address order
-        self._retiring: list[WorkerEndpoint] = []  # left the DNS answer; closed once idle
+        self._retiring: list[WorkerEndpoint] = []  # left the DNS answer or list file; closed once idle
         self._resolve_errors: dict[str, str] = {}  # target -> why it did not resolve last time
+        self._files = {t.path: TargetFile(t.path, kind) for t in self.targets if isinstance(t, FileTarget)}
         self._cursor = 0  # round-robin position for ties (see router)
         self._charged: dict[str, tuple[int, bool]] = {}  # address -> (incident, retry verdict)
         self._task: asyncio.Task | None = None
@@ -268,9 +272,26 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - the prober must survive anything; try again next round
                 log.exception("health probing of %s workers failed", self.kind)
 
+    def _current_targets(self) -> list[Target]:
+        """The targets with every list file replaced by its lines now (or its last good ones)."""
+        found: list[Target] = []
+        for target in self.targets:
+            if not isinstance(target, FileTarget):
+                found.append(target)
+                continue
+            watched = self._files[target.path]
+            found += watched.poll()
+            if watched.error:
+                self._resolve_errors[str(target)] = watched.error
+            else:
+                self._resolve_errors.pop(str(target), None)
+        named = {str(t) for t in [*self.targets, *found]}  # a target gone from its file takes its error along
+        self._resolve_errors = {t: err for t, err in self._resolve_errors.items() if t in named}
+        return list(dict.fromkeys(found))
+
     async def _update_membership(self) -> None:
         addresses: list[str] = []
-        for target in self.targets:
+        for target in self._current_targets():
             try:
                 addresses += await resolve(target)
                 self._resolve_errors.pop(str(target), None)

@@ -48,6 +48,7 @@ from kvstore.client import KVStoreProtocolError
 from pdserve.kvwire import KVBlockError, decode_block
 from pdserve.runtime.pins import hold_owner
 from pdserve.v1 import worker_pb2
+from pdserve.metric_registries import WORKER
 from pdserve.worker_common import Worker, record_transfer
 from pdserve.worker_metrics import KV_BLOCKS_REJECTED, PREFETCH_BLOCKS
 
@@ -58,10 +59,10 @@ STAGED_TTL_S = 60.0  # a staged block no Decode claimed by then is dropped (wast
 SOURCES = ("resident", *SIGNALS, "late", "fetched", "missing")
 DECODE_BLOCKS = Counter("pdserve_decode_blocks_total",
                         "KV blocks Decode requests needed, by where each one was when the Decode arrived",
-                        ["source"])
+                        ["source"], registry=WORKER)
 PREFILL_BLOCKS = Counter("pdserve_prefill_blocks_total",
                          "Prefix KV blocks Prefill requests reused, by where each one was when the Prefill arrived",
-                         ["source"])
+                         ["source"], registry=WORKER)
 
 
 class BlockPrefetcher:

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "bench_engine",
     "bench_stack",
     "up",
+    "scale",
     "gateway",
     "prefill",
     "decode",

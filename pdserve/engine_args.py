@@ -26,9 +26,11 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-format", default=os.environ.get("PDSERVE_WEIGHT_FORMAT", "auto"),
                    choices=list(WEIGHT_FORMATS),
                    help="projections as dense matrices, or int4 codes packed for the CPU kernel (the GGUF's own "
-                        "Q4_0/Q4_1 codes where it has them; needs --dtype bfloat16/float16): a quarter of the "
-                        "bytes per step, faster up to about 16 streams; auto: int4 when the GGUF's projections "
-                        "are Q4_0/Q4_1 and --dtype resolves to bfloat16/float16 on the CPU (default: %(default)s)")
+                        "Q4_0/Q4_1/Q4_K codes where it has them; needs --dtype bfloat16/float16): a quarter of the "
+                        "bytes per step, faster up to about 16 streams; packed: also the GGUF's Q8_0/Q5_K codes "
+                        "(two 4-bit planes) and Q6_K dequantized; auto: int4 when the GGUF's projections are "
+                        "Q4_0/Q4_1, packed when all are packable, if --dtype resolves to bfloat16/float16 on the "
+                        "CPU (default: %(default)s)")
 
 
 def resolved_dtypes(dtype: str, kv_dtype: str | None, device: str = "cpu") -> tuple[str, str]:
@@ -52,6 +54,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
                    help="torch CPU threads (0: torch's default)")
+    add_speculative_args(p)
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """--speculative-ngram K and --speculative-max-batch (pdserve.runtime.speculative)."""
+    from pdserve.runtime.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig()
+    p.add_argument("--speculative-ngram", type=int, default=spec.num_tokens, metavar="K",
+                   help="speculative decoding by prompt n-gram lookup: verify up to K draft tokens per step "
+                        "(exact for greedy and sampled output; 0: off, the default)")
+    p.add_argument("--speculative-max-batch", type=int, default=spec.max_batch_size, metavar="N",
+                   help="speculate only while at most N sequences run or wait (default: %(default)s)")
+
+
+def speculative_config_from_args(args: argparse.Namespace):
+    """The SpeculativeConfig of the flags (off when they were not defined)."""
+    from pdserve.runtime.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(num_tokens=getattr(args, "speculative_ngram", 0),
+                             max_batch_size=getattr(args, "speculative_max_batch", SpeculativeConfig().max_batch_size))
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_bind: str) -> None:
@@ -62,6 +85,13 @@ def add_worker_args(p: argparse.ArgumentParser, default_bind: str) -> None:
     p.add_argument("--batch-window-ms", type=float, default=2.0,
                    help="after an idle spell, wait this long for more requests before the first step")
     p.add_argument("--worker-id", default="", help="name in stats and logs (default: host:port)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks, one process each (attention heads, MLP and vocabulary; "
+                        "pdserve.runtime.parallel): N must divide the heads and the MLP (default: 1, no split)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="M",
+                   help="split the model's layers into M stages, one process each (with --tensor-parallel-size N: "
+                        "N ranks per stage); a decode step's batch flows through them in up to M micro-batches of "
+                        "32 or more sequences (pdserve.runtime.parallel; default: 1, no split)")
     add_engine_args(p)
 
 
@@ -91,5 +121,24 @@ def build_engine(args: argparse.Namespace):
     config = engine_config_from_args(args)
     checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, config.dtype))
     fingerprint = compute_fingerprint(checkpoint.fingerprint, config.dtype)  # bf16 KV never meets fp32's
-    engine = Engine.from_checkpoint(checkpoint, config, fingerprint)
+    engine = Engine.from_checkpoint(checkpoint, config, fingerprint, speculative=speculative_config_from_args(args))
     return engine, checkpoint
+
+
+def build_worker_engine(args: argparse.Namespace, collective_timeout_s: float = 30.0):
+    """A worker's engine: `build_engine`'s, or with --tensor-parallel-size N > 1 (or
+    --pipeline-parallel-size M > 1) rank 0's of N (M) (pdserve.runtime.parallel; the other ranks
+    started here). Returns (Engine, the group's TensorParallelHandle or None); ShardingError when
+    N or M does not split the model, ConfigError for both above 1."""
+    size, stages = getattr(args, "tensor_parallel_size", 1), getattr(args, "pipeline_parallel_size", 1)
+    if size == 1 and stages == 1:
+        return build_engine(args)[0], None
+    from pdserve.runtime.loader import compute_fingerprint, resolve_model_path
+    from pdserve.runtime.parallel.group import ParallelConfig
+    from pdserve.runtime.parallel.launch import tensor_parallel_engine
+
+    config = engine_config_from_args(args)
+    parallel = ParallelConfig(size, collective_timeout_s, pipeline_parallel_size=stages)
+    return tensor_parallel_engine(resolve_model_path(args.model), config, parallel,
+                                  fingerprint=lambda fp: compute_fingerprint(fp, config.dtype), threads=args.threads,
+                                  speculative=speculative_config_from_args(args))

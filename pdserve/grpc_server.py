@@ -12,9 +12,10 @@ service: TLS, the internal token, tracing and /metrics. A service's main builds 
 flags and environment, and passes it to `start_server` and `grpc_channel`.
 
 Observability is installed here, so no service has to: `start_server` sets up the process's
-tracer provider (`pdserve.telemetry`, PDSERVE_TRACES) and the tracing server
-interceptor, and serves the Prometheus default registry on --metrics-port / PDSERVE_METRICS_PORT
-when that is set (on loopback unless --metrics-host / PDSERVE_METRICS_HOST says otherwise);
+tracer provider (`pdserve.telemetry`, PDSERVE_TRACES or the OTEL_* variables) and the tracing
+server interceptor, and serves the service's own Prometheus registry (`pdserve.metric_registries`)
+on --metrics-port / PDSERVE_METRICS_PORT when that is set (on the service's bind host unless
+--metrics-host / PDSERVE_METRICS_HOST says otherwise);
 `grpc_channel` adds the client interceptors that propagate W3C trace context. With tracing off
 (the default) neither carries any interceptor.
 
@@ -35,7 +36,7 @@ import math
 import os
 import signal
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +53,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 METRICS_PORT_ENV = "PDSERVE_METRICS_PORT"
-# /metrics has no key: loopback unless told otherwise (compose sets 0.0.0.0 for Prometheus).
+# /metrics has no key: by default it listens where the service does (a loopback service keeps it on
+# loopback; one that Prometheus must reach on 0.0.0.0 exposes it there too).
 METRICS_HOST_ENV = "PDSERVE_METRICS_HOST"
-DEFAULT_METRICS_HOST = "127.0.0.1"
+DEFAULT_METRICS_HOST = "127.0.0.1"  # when neither the flag nor a bind address says
 _metrics_port: int | None = None  # the port this process serves /metrics on, once started
 
 
@@ -69,15 +71,20 @@ class ProcessConfig:
                                   "(pdserve.internal_auth)", flag=None, load=internal_auth.token_from_env, repr=False)
     # Environment only, as TLS: every process of a stack must agree, and the channels KVStoreClient
     # and WorkerPool make (they take no ProcessConfig yet) trace as the environment says.
+    # PDSERVE_TRACES, else OpenTelemetry's OTEL_TRACES_EXPORTER (pdserve.telemetry); unset: off.
     traces: str = setting("none", "span export: none, otlp (OTEL_EXPORTER_OTLP_* say where), console, or "
-                          "file:PATH (JSON lines; pdserve.telemetry)", flag=None, env=telemetry.TRACES_ENV)
+                          "file:PATH (JSON lines; pdserve.telemetry)", flag=None, env=telemetry.TRACES_ENV,
+                          load=telemetry.traces_from_otel_env)
+    traces_protocol: str = setting("grpc", "OTLP transport: grpc or http/protobuf", flag=None,
+                                   load=telemetry.protocol_from_env)
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: a free one)",
                                        env=METRICS_PORT_ENV, type=int, metavar="PORT", shown="off")
-    metrics_host: str = setting(DEFAULT_METRICS_HOST, "address /metrics listens on (it has no key: keep it "
-                                "off public interfaces)", env=METRICS_HOST_ENV, metavar="HOST")
+    metrics_host: str = setting("", "address /metrics listens on (it has no key: keep it off public "
+                                "interfaces)", env=METRICS_HOST_ENV, metavar="HOST", shown="the service's bind host")
 
     def __post_init__(self) -> None:
         telemetry.check_traces(self.traces)
+        telemetry.check_protocol(self.traces_protocol)
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port / {METRICS_PORT_ENV} must be in 0..65535, got {self.metrics_port}")
 
@@ -126,8 +133,9 @@ async def start_server(
     tracing and /metrics (default: none of them). Returns the server and its port.
     """
     process = process or ProcessConfig()
-    telemetry.configure(telemetry.service_label(service_names), process.traces)
-    start_metrics_http(process.metrics_port, process.metrics_host)
+    service = telemetry.service_label(service_names)
+    telemetry.configure(service, process.traces, process.traces_protocol)
+    start_metrics_http(process.metrics_port, process.metrics_host or bind_host(bind), service)
     access = [] if public else internal_auth.server_interceptors(process.internal_token)
     server = grpc.aio.server(options=message_size_options(max_message_bytes, max_receive_bytes),
                              interceptors=[*telemetry.server_interceptors(process.tracing), *access, *interceptors,
@@ -146,17 +154,22 @@ async def start_server(
     return server, port
 
 
-def start_metrics_http(port: int | None = None, host: str = DEFAULT_METRICS_HOST) -> int | None:
-    """Serve the Prometheus default registry at http://host:port/metrics, once per process; the port
-    it serves on (that of the first call that started it), or None when `port` is None (off). A
-    busy port is logged, not fatal: metrics must never keep a service from serving."""
+def start_metrics_http(port: int | None = None, host: str = DEFAULT_METRICS_HOST, service: str = "") -> int | None:
+    """Serve `service`'s Prometheus registry (pdserve.metric_registries: a worker's has no gateway
+    families, and so on) at http://host:port/metrics, once per process; the port it serves on (that
+    of the first call that started it), or None when `port` is None (off). A busy port is logged,
+    not fatal: metrics must never keep a service from serving."""
     global _metrics_port
     if _metrics_port is not None or port is None:
         return _metrics_port
     from prometheus_client import start_http_server
 
+    from pdserve import metric_registries
+
+    host = host or DEFAULT_METRICS_HOST  # "" (no --metrics-host) without a service's bind: loopback, never all
+
     try:
-        server, _ = start_http_server(port, addr=host)
+        server, _ = start_http_server(port, addr=host, registry=metric_registries.for_service(service))
     except (OSError, ValueError) as err:
         log.warning("cannot serve /metrics on %s port %d (--metrics-host/--metrics-port, %s/%s): %s", host, port,
                     METRICS_HOST_ENV, METRICS_PORT_ENV, err)
@@ -164,6 +177,12 @@ def start_metrics_http(port: int | None = None, host: str = DEFAULT_METRICS_HOST
     _metrics_port = server.server_port
     log.info("serving Prometheus metrics on %s port %d", host, _metrics_port)
     return _metrics_port
+
+
+def bind_host(bind: str) -> str:
+    """The host of a "host:port" / "[v6]:port" bind address (DEFAULT_METRICS_HOST when it has none)."""
+    host = bind.rpartition(":")[0].strip("[]")
+    return host or DEFAULT_METRICS_HOST
 
 
 def _security_note(public: bool, process: ProcessConfig) -> str:
@@ -194,19 +213,23 @@ async def stop_server(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
     await server.stop(grace_s)
 
 
-async def mark_not_serving(server: grpc.aio.Server, reason: str) -> None:
+async def mark_not_serving(server: grpc.aio.Server, reason: str, level: int = logging.ERROR) -> None:
     """Report NOT_SERVING for every service of `server` from now on, while it keeps answering
-    calls (e.g. UNAVAILABLE: its engine failed), so health probes route around it. Final: the
-    health servicer ignores later SERVING updates, as in a graceful shutdown."""
+    calls (e.g. UNAVAILABLE: its engine failed; or draining), so health probes route around it.
+    Final: the health servicer ignores later SERVING updates, as in a graceful shutdown."""
     health_servicer = _health_of.get(server)
     if health_servicer is None:
         return
-    log.error("reporting NOT_SERVING: %s", reason)
+    log.log(level, "reporting NOT_SERVING: %s", reason)
     await health_servicer.enter_graceful_shutdown()
 
 
-async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
-    """Run until SIGINT or SIGTERM arrives, then stop gracefully."""
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0,
+                             drain: Callable[[], Awaitable[object]] | None = None) -> None:
+    """Run until SIGINT or SIGTERM arrives, then stop gracefully. With `drain` (a worker's:
+    pdserve.drain), first report NOT_SERVING and await `drain()` while the server keeps serving
+    the calls in flight (and health: a worker that stopped answering its probes would have its
+    streams given up by the gateway before they finish), then stop it."""
     # Not server.wait_for_termination(): cancelling that wait cancels grpc's shared shutdown
     # future, which then makes server.stop() raise CancelledError.
     stop = asyncio.Event()
@@ -215,6 +238,9 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        if drain is not None:
+            await mark_not_serving(server, "shutting down: draining", level=logging.INFO)
+            await drain()
         log.info("stopping gRPC server (grace %.1f s)", grace_s)
         await stop_server(server, grace_s)
     finally:

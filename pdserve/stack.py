@@ -11,13 +11,14 @@ import argparse
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import grpc
 
 from pdserve.cli import build_parser
 from pdserve.commands.up import plan
 from pdserve.ports import free_port
-from pdserve.supervisor import Child, Supervisor
+from pdserve.supervisor import Child, ChildSpec, Supervisor
 from pdserve.v1 import gateway_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -84,19 +85,34 @@ class Stack:
         self.supervisor.stop_all()
 
 
-def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str, str] | None = None) -> Stack:
+def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str, str] | None = None,
+                list_dir: Path | None = None) -> Stack:
     """Start the stack; `extra` are more `pdserve up` flags, `env` more environment of every child
     (e.g. PDSERVE_TLS_*: the health checks then dial as the children serve). The HTTP API is off
     unless `extra` passes `--http-port PORT`: a fixed default port would collide between concurrent stacks.
     As under `pdserve up` the workers get a generated KV MAC key; unlike it, no internal token is
-    generated unless `extra` passes `--internal-token` (tests dial the internal ports directly)."""
+    generated unless `extra` passes `--internal-token` (tests dial the internal ports directly).
+    With `list_dir` the gateway reads its workers from list files there, as under `pdserve up`
+    (pdserve.membership: rewrite them to change its membership)."""
     args = build_parser().parse_args([
         "up", "--prefill", str(prefill), "--decode", str(decode), "--grpc-port", str(free_port()),
         "--threads", "1", "--http-port", "0", "--no-internal-token", *extra])
     workers, gateway = plan(args)
+    if list_dir is not None:
+        from pdserve.membership import KINDS, gateway_on_list_files, list_file, write_list_file
+
+        for kind in KINDS:
+            write_list_file(list_file(list_dir, kind), [w.address for w in workers if w.name.startswith(f"{kind}-")])
+        gateway = gateway_on_list_files(gateway, list_dir)
     if env:
         workers = [replace(w, env=(*w.env, *env.items())) for w in workers]
         gateway = replace(gateway, env=(*gateway.env, *env.items()))
+    return start_planned(workers, gateway, args)
+
+
+def start_planned(workers: list[ChildSpec], gateway: ChildSpec, args: argparse.Namespace) -> Stack:
+    """Start planned children (`up.plan`'s, maybe changed): the workers, once they serve the
+    gateway, once it serves the Stack; a child that fails to serve stops them all."""
     sup = Supervisor(grace_s=5.0)
     try:
         children = [sup.start(spec) for spec in workers]

@@ -2,7 +2,8 @@
 with a name prefix, health-checked until SERVING, restarted with back-off when a RestartPolicy is
 given, stopped together (SIGTERM to each group, SIGKILL after a grace period), and never outliving
 this process (pdserve/parent_watch.py). `pdserve up` runs it with a restart policy; pdserve.stack
-(tests, `pdserve soak`) without one, so that they alone decide every kill and restart."""
+(tests, `pdserve soak`) without one, so that they alone decide every kill and restart. A child can
+also be retired (`retire`: a scale-in, pdserve.scaler): stopped, its exit expected, not restarted."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve import parent_watch
@@ -77,6 +78,9 @@ class Child:
     restarts: int = 0  # how many times the supervisor had restarted this spec before this process
     backoff_s: float | None = None  # the delay this restart waited (None: not a restart)
     not_serving_since: float | None = None  # when its health check began to answer NOT_SERVING
+    # Called by the output forwarder's thread with each line the child prints (pdserve.scaler
+    # reads the gateway's membership changes there); must be quick and thread-safe.
+    listeners: list[Callable[[str], None]] = field(default_factory=list)
 
     def last_output(self) -> str:
         return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
@@ -100,6 +104,7 @@ class Supervisor:
         self.restart = restart
         self.children: list[Child] = []
         self.restarting: list[tuple[float, float, Child]] = []  # (when, back-off delay, the dead child)
+        self.retiring: dict[Child, float] = {}  # retired children not yet exited -> when to SIGKILL them
         self.stop_requested = False  # set by the signal handler; polled (no locks in handlers)
         self._death_pipe = os.pipe()  # never written: children watch its read end for EOF
         self._health_due = 0.0  # when watch() next asks the serving children for NOT_SERVING
@@ -139,7 +144,7 @@ class Supervisor:
             if dead is not None:
                 raise StartupError(f"{describe_exit(dead)} while starting up; its last output:\n"
                                    f"{dead.last_output()}")
-            pending = [c for c in pending if not _check_serving(c, timeout_s=1.0)]
+            pending = [c for c in pending if not check_serving(c, timeout_s=1.0)]
             if pending and time.monotonic() > deadline:
                 c = pending[0]
                 raise StartupError(f"{c.spec.name} ({c.spec.address}) did not report SERVING within "
@@ -148,10 +153,15 @@ class Supervisor:
                 time.sleep(POLL_S)
         return True
 
-    def watch(self) -> Child | None:
+    def watch(self, tick: Callable[[], None] | None = None) -> Child | None:
         """Block until a stop is requested (None). A child that exits is returned, or, with a restart
-        policy, restarted on its address after its back-off delay, and watching goes on."""
+        policy, restarted on its address after its back-off delay, and watching goes on. `tick` is
+        called on each turn first (on this thread: children it starts keep their parent-death
+        signal; pdserve.scaler)."""
         while not self.stop_requested:
+            if tick is not None:
+                tick()
+            self._reap_retired()
             dead = self.dead_child()
             if dead is not None and self.restart is None:
                 return dead
@@ -162,6 +172,34 @@ class Supervisor:
             self._kill_not_serving()
             time.sleep(POLL_S)
         return None
+
+    def retire(self, name: str) -> list[Child]:
+        """Take the child named `name` out of supervision for good (a scale-in): a pending restart
+        of it is dropped, a live process gets SIGTERM now and SIGKILL if it is still there after the
+        grace period; its exit is expected and never restarted. The processes retired, live or dead."""
+        live = [c for c in self.children if c.spec.name == name]
+        for child in live:
+            self.children.remove(child)
+            _signal_group(child, signal.SIGTERM)
+            self.retiring[child] = time.monotonic() + self.grace_s
+        dropped = [entry for entry in self.restarting if entry[2].spec.name == name]
+        for entry in dropped:
+            self.restarting.remove(entry)
+        return [*live, *(entry[2] for entry in dropped)]
+
+    def _reap_retired(self) -> None:
+        """Log the retired children that exited; SIGKILL those past their grace period."""
+        now = time.monotonic()
+        for child, kill_at in list(self.retiring.items()):
+            if child.proc.poll() is not None:
+                del self.retiring[child]
+                code = child.proc.returncode
+                announce(f"{child.spec.name} ({child.spec.address}) stopped as asked "
+                         f"({'signal ' + str(-code) if code < 0 else 'exit code ' + str(code)})")
+            elif now >= kill_at:
+                announce(f"{child.spec.name} ignored SIGTERM for {self.grace_s:g} s; killing it")
+                _signal_group(child, signal.SIGKILL)
+                self.retiring[child] = float("inf")  # killed: only its exit is left to see
 
     def _kill_not_serving(self) -> None:
         """SIGKILL a served child that has answered NOT_SERVING for the policy's time; the next
@@ -203,16 +241,17 @@ class Supervisor:
         time after which its next death backs off from the first delay again)."""
         for child in self.children:
             if child.restarts and child.served_at is None and child.proc.poll() is None \
-                    and _check_serving(child, timeout_s=0.5):
+                    and check_serving(child, timeout_s=0.5):
                 announce(f"{child.spec.name} ({child.spec.address}) is serving again after restart {child.restarts}")
 
     def stop_all(self) -> None:
         """SIGTERM every child's process group, SIGKILL the ones still there after the grace period."""
         self.restarting.clear()
-        for child in self.children:
+        children = [*self.children, *self.retiring]
+        for child in children:
             _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        for child in self.children:
+        for child in children:
             try:
                 child.proc.wait(timeout=max(deadline - time.monotonic(), 0))
             except subprocess.TimeoutExpired:
@@ -220,13 +259,14 @@ class Supervisor:
                       file=sys.stderr)
                 _signal_group(child, signal.SIGKILL)
                 child.proc.wait()
+        self.retiring.clear()
 
 
 def announce(message: str) -> None:
     print(f"pdserve up: {message}", file=sys.stderr, flush=True)
 
 
-def _check_serving(child: Child, timeout_s: float) -> bool:
+def check_serving(child: Child, timeout_s: float) -> bool:
     """Whether the child's health check says SERVING; stamps `served_at` the first time it does."""
     from pdserve.healthcheck import is_serving
 
@@ -264,6 +304,8 @@ def _forward_output(child: Child) -> None:
         line = line.rstrip("\n")
         child.tail.append(line)
         print(f"[{child.spec.name}] {line}", file=sys.stderr, flush=True)
+        for listener in child.listeners:
+            listener(line)
 
 
 def describe_exit(child: Child) -> str:

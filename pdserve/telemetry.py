@@ -1,29 +1,44 @@
 """Tracing for every pdserve process: one tracer provider per service, set up here and only here.
 
-Configuration is a service's `grpc_server.ProcessConfig.traces`, which its main reads from the
-environment (children inherit it from `pdserve up`; every process of a stack must agree):
+Configuration is a service's `grpc_server.ProcessConfig` (`traces`, `traces_protocol`), which its
+main reads from the environment (children inherit it from `pdserve up`; every process of a stack
+must agree). The standard OpenTelemetry variables work as the SDK defines them:
 
-    PDSERVE_TRACES=none            (default) no provider, no interceptors, no span objects at all
-    PDSERVE_TRACES=otlp            OTLP/gRPC batch export; endpoint etc. from the standard
-                                   OTEL_EXPORTER_OTLP_* variables (default localhost:4317)
-    PDSERVE_TRACES=console         finished spans printed to stdout (debugging)
+    OTEL_TRACES_EXPORTER=otlp|console|none (a comma list too); unset: tracing off (not the SDK's
+                                   default otlp: nothing is exported unless asked); OTEL_SDK_DISABLED=true: off
+    OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL  grpc (default) or http/protobuf
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, _HEADERS, _TIMEOUT, _COMPRESSION, _CERTIFICATE
+                                   read by the SDK's OTLP exporters themselves
+    OTEL_TRACES_SAMPLER(_ARG)      read by the SDK's TracerProvider (default parentbased_always_on)
+    OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES  read by the SDK's Resource; without a service name
+                                   it is "pdserve-<service>" (e.g. "pdserve-decode")
+    OTEL_BSP_*                     the batch span processor's, read by the SDK
+    OTEL_PROPAGATORS               the propagators of W3C trace context (default tracecontext,baggage)
+
+PDSERVE_TRACES, when set, wins over OTEL_TRACES_EXPORTER and adds one exporter the SDK lacks:
+
+    PDSERVE_TRACES=none            no provider, no interceptors, no span objects at all
+    PDSERVE_TRACES=otlp | console  as OTEL_TRACES_EXPORTER
     PDSERVE_TRACES=file:/path.jsonl  every finished span appended as one JSON line (tests: every
                                    process of a stack writes the same file)
 
-`configure(service, traces)` installs the provider (called by `grpc_server.start_server`, and by a
-worker before it builds its engine; the service's name becomes `service.name`, e.g.
-"pdserve-decode"). The provider is process-wide (OpenTelemetry allows one per process), and so is
-`enabled()`, which says whether `configure` installed one. W3C trace context travels in gRPC metadata:
-`client_interceptors()` (installed by `grpc_server.grpc_channel`) inject it, `server_interceptors()`
-(installed by `start_server`) extract it and wrap each handler in a SERVER span, so one trace shows
-gateway -> prefill -> kvstore -> decode.
+Every process's resource also has `pdserve.service` (gateway, prefill, decode, kvstore), which
+stays when OTEL_SERVICE_NAME names the whole stack.
 
-Which calls are traced, and why:
+`configure(service, traces, protocol)` installs the provider (called by `grpc_server.start_server`,
+and by a worker before it builds its engine). The provider is process-wide (OpenTelemetry allows
+one per process), and so is `enabled()`, which says whether `configure` installed one. W3C trace
+context travels in gRPC metadata: `client_interceptors()` (ours, installed by
+`grpc_server.grpc_channel`) inject it, `server_interceptors()` (OpenTelemetry's gRPC instrumentation,
+opentelemetry-instrumentation-grpc, installed by `start_server`) extract it and wrap each handler in
+a SERVER span, so one trace shows gateway -> prefill -> kvstore -> decode.
+
+Which calls are traced, and why (the instrumentation's filters, `_server_traced`/`_client_traced`):
   * server side: every RPC that arrives with a traceparent, plus the front door (the Gateway
     service), which starts traces. Health checks and reflection never are.
   * client side: only calls made inside a live (recording) span. Background chatter (health probes,
     Stats polls, residency reports, a predictor task that outlived the request that spawned it)
-    then starts no traces of its own, and stays out of the request traces.
+    then starts no traces of their own, and stays out of the request traces.
 When tracing is off, `enabled()` is False: callers check it before building anything, the grpc
 objects carry no interceptors, and `tracer()` is the API's no-op tracer.
 """
@@ -35,26 +50,28 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pdserve import interceptors
 
 log = logging.getLogger(__name__)
 
 TRACES_ENV = "PDSERVE_TRACES"
+OTEL_EXPORTER_ENV = "OTEL_TRACES_EXPORTER"
+PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")  # the SDK's order
+PROTOCOLS = ("grpc", "http/protobuf")
 TRACER_NAME = "pdserve"
 # Services whose RPCs start traces (the client-facing front door).
 ROOT_SERVICES = ("pdserve.v1.Gateway",)
 _UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+_EXPORTERS = ("none", "otlp", "console")
 
-_propagator = TraceContextTextMapPropagator()  # W3C traceparent/tracestate only
 _lock = threading.Lock()
 # What `configure` installed: the tracer provider is OpenTelemetry's, one per process, so the
 # switch that follows it is too ("none" until a service configures tracing).
@@ -63,14 +80,42 @@ _configured_service: str | None = None
 
 
 def check_traces(value: str) -> str:
-    """`value` when it is an exporter `configure` knows ("none", "otlp", "console", "file:<path>")."""
-    if value not in ("none", "otlp", "console") and not (value.startswith("file:") and len(value) > 5):
-        raise ValueError(f"{TRACES_ENV} must be none, otlp, console or file:PATH, got {value!r}")
+    """`value` when it names exporters `configure` knows: "none", "otlp", "console", "file:<path>",
+    or a comma list of them ("otlp,console")."""
+    for part in value.split(","):
+        part = part.strip()
+        if part not in _EXPORTERS and not (part.startswith("file:") and len(part) > 5):
+            raise ValueError(f"{TRACES_ENV} must be none, otlp, console or file:PATH, or a comma list "
+                             f"(as {OTEL_EXPORTER_ENV}, which has no file:), got {value!r}")
     return value
 
 
+def check_protocol(value: str) -> str:
+    if value not in PROTOCOLS:
+        raise ValueError(f"{PROTOCOL_ENVS[0]} / {PROTOCOL_ENVS[1]} must be grpc or http/protobuf "
+                         f"(the OTLP exporters Python has), got {value!r}")
+    return value
+
+
+def traces_from_otel_env(env: Mapping[str, str]) -> str | None:
+    """The exporters OpenTelemetry's own variables ask for (PDSERVE_TRACES unset): OTEL_TRACES_EXPORTER,
+    "none" under OTEL_SDK_DISABLED=true; None when neither is set (tracing stays off)."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return "none"
+    value = env.get(OTEL_EXPORTER_ENV, "").strip().lower()
+    return ",".join(p.strip() for p in value.split(",")) if value else None
+
+
+def protocol_from_env(env: Mapping[str, str]) -> str | None:
+    """OTLP's transport as the SDK reads it: the traces variable, else the general one."""
+    for name in PROTOCOL_ENVS:
+        if env.get(name, "").strip():
+            return env[name].strip()
+    return None
+
+
 def traces_mode() -> str:
-    """The exporter `configure` installed: "none", "otlp", "console" or "file:<path>"."""
+    """The exporters `configure` installed: "none", "otlp", "console", "file:<path>" or a list."""
     return _mode
 
 
@@ -94,38 +139,62 @@ def service_label(service_names: Sequence[str]) -> str:
             "Gateway": "gateway"}.get(short, short.lower())
 
 
-def configure(service: str, traces: str = "none") -> None:
+def _exporters(traces: str) -> list[str]:
+    return [p.strip() for p in check_traces(traces).split(",") if p.strip() != "none"]
+
+
+def configure(service: str, traces: str = "none", protocol: str | None = None) -> None:
     """Install this process's tracer provider for `service`, exporting as `traces` says (a
-    `check_traces` value; "none": nothing is installed). Idempotent: the first call that turns
-    tracing on wins."""
+    `check_traces` value; "none": nothing is installed), OTLP over `protocol` (None: as the SDK's
+    variables say, the process config's `traces_protocol`: a caller holding no config). Idempotent:
+    the first call that turns tracing on wins."""
     global _configured_service, _mode
-    if check_traces(traces) == "none":
+    exporters = _exporters(traces)
+    if not exporters:
         return
     with _lock:
         if _configured_service is not None:
             return
         _configured_service = service
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    provider = TracerProvider(resource=Resource.create({"service.name": f"pdserve-{service}"}))
-    provider.add_span_processor(_span_processor(traces))
+    protocol = protocol or protocol_from_env(os.environ) or "grpc"
+
+    # No sampler passed: the SDK reads OTEL_TRACES_SAMPLER / _ARG (default parentbased_always_on).
+    provider = TracerProvider(resource=resource_for(service))
+    for name in exporters:
+        provider.add_span_processor(_span_processor(name, check_protocol(protocol)))
     trace.set_tracer_provider(provider)
-    _mode = traces
-    log.info("tracing on for %s: %s", service, traces)
+    _mode = ",".join(exporters)
+    log.info("tracing on for %s: %s%s", service, _mode, f" (OTLP over {protocol})" if "otlp" in exporters else "")
 
 
-def _span_processor(mode: str):
+def resource_for(service: str):  # -> opentelemetry.sdk.resources.Resource
+    """The SDK's resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, telemetry.sdk.*) with
+    `pdserve.service`, and service.name "pdserve-<service>" unless the environment named one."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create({"pdserve.service": service})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: f"pdserve-{service}"}))
+    return resource
+
+
+def _span_processor(name: str, protocol: str):
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
 
-    if mode == "otlp":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+    if name == "otlp":
+        # Each exporter reads its endpoint, headers, timeout, compression and certificate from the
+        # standard variables (OTEL_EXPORTER_OTLP_TRACES_* before OTEL_EXPORTER_OTLP_*).
+        if protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         return BatchSpanProcessor(OTLPSpanExporter())
-    if mode == "console":
+    if name == "console":
         return SimpleSpanProcessor(ConsoleSpanExporter())
     # file: written as each span ends, so a test reading the file needs no flush at shutdown.
-    return SimpleSpanProcessor(JsonLinesSpanExporter(mode.removeprefix("file:")))
+    return SimpleSpanProcessor(JsonLinesSpanExporter(name.removeprefix("file:")))
 
 
 def tracer() -> trace.Tracer:
@@ -133,11 +202,16 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+def extract(carrier: Mapping[str, str]) -> otel_context.Context:
+    """The trace context a request's headers or metadata carry, read by the process's propagators
+    (OTEL_PROPAGATORS; W3C traceparent/tracestate and baggage by default)."""
+    return propagate.extract(carrier)
+
+
 def current_span_context() -> trace.SpanContext | None:
     """The live span's context, for linking work done elsewhere (engine steps) to this request."""
     span = trace.get_current_span()
     return span.get_span_context() if span.is_recording() else None
-
 
 class JsonLinesSpanExporter:
     """Appends each finished span as one JSON line; several processes may share the file."""
@@ -183,46 +257,61 @@ def span_record(span: Any) -> dict[str, Any]:
     }
 
 
-# ---- gRPC propagation -----------------------------------------------------------------------
+# ---- gRPC propagation (opentelemetry-instrumentation-grpc, with pdserve's filters) ----------
 
 def _method_name(method: str | bytes) -> str:
     return method.decode() if isinstance(method, bytes) else method
-
-
-def _rpc_attributes(method: str) -> dict[str, str]:
-    service, _, name = method.lstrip("/").partition("/")
-    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
 
 def _untraced(method: str) -> bool:
     return method.startswith(_UNTRACED_PREFIXES)
 
 
+def _server_traced(details: grpc.HandlerCallDetails) -> bool:
+    """Whether an arriving call gets a SERVER span: the front door's, or one that brings a traceparent."""
+    method = _method_name(details.method)
+    if _untraced(method):
+        return False
+    return method.lstrip("/").startswith(ROOT_SERVICES) or _has_traceparent(details.invocation_metadata)
+
+
+def _has_traceparent(metadata: Iterable[Any] | None) -> bool:
+    return any(item[0] == "traceparent" for item in metadata or ())
+
+
+def _client_traced(details: grpc.aio.ClientCallDetails) -> bool:
+    """Whether an outgoing call gets a CLIENT span: made inside a live span (a request's), not a
+    health check. Evaluated in the caller's context (grpc.aio runs interceptors in a task that
+    copied it)."""
+    return not _untraced(_method_name(details.method)) and trace.get_current_span().is_recording()
+
+
 def client_interceptors(on: bool | None = None) -> list[Any]:
     """Interceptors that trace and propagate every call of a channel ([] when tracing is off).
     `on`: whether the channel's process traces (its config says so before `configure` ran: the
-    gateway dials its workers before its server starts); None: whether `configure` turned it on."""
+    gateway dials its workers before its server starts); None: whether `configure` turned it on.
+
+    Ours, not the instrumentation's client interceptors: those end a streaming call's span when its
+    response iterator is exhausted or closed, and the gateway cancels a Decode stream once it has the
+    finish reason, so that span never ended (nor was exported). Ours end it when the call is done."""
     if not (enabled() if on is None else on):
         return []
     return interceptors.client_interceptors_of(_trace_client_call)
 
 
-def server_interceptors(on: bool | None = None) -> list[grpc.aio.ServerInterceptor]:
-    """The interceptor that opens a SERVER span per traced RPC ([] when tracing is off; `on` as
-    for `client_interceptors`)."""
-    return [_ServerTracer()] if (enabled() if on is None else on) else []
-
-
 async def _trace_client_call(continuation: Callable[..., Any], details: grpc.aio.ClientCallDetails,
                              request: Any) -> Any:
-    """A CLIENT span around one call, its context injected into the call's metadata."""
-    method = _method_name(details.method)
-    if _untraced(method) or not trace.get_current_span().is_recording():
+    """A CLIENT span around one call (`_client_traced` ones), its context injected into the call's
+    metadata by the process's propagators; named and attributed as the instrumentation's server spans."""
+    if not _client_traced(details):
         return await continuation(details, request)
-    span = tracer().start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_rpc_attributes(method))
+    method = _method_name(details.method)
+    service, _, name = method.lstrip("/").partition("/")
+    span = tracer().start_span(method, kind=SpanKind.CLIENT, attributes={
+        "rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
     carrier: dict[str, str] = {}
-    _propagator.inject(carrier, context=trace.set_span_in_context(span))
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
     for key, value in carrier.items():
         metadata.add(key, value)
     details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
@@ -230,7 +319,8 @@ async def _trace_client_call(continuation: Callable[..., Any], details: grpc.aio
     try:
         call = await continuation(details, request)
     except BaseException as exc:
-        _end_with_error(span, exc)
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        span.end()
         raise
     call.add_done_callback(lambda c: _finish_client_span(span, c))
     return call
@@ -242,102 +332,23 @@ def _finish_client_span(span: Span, call: Any) -> None:
             code = await call.code()
         except BaseException:  # noqa: BLE001 - the span must end whatever happened
             code = grpc.StatusCode.UNKNOWN
-        _end_with_code(span, code)
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        # CANCELLED is the caller's choice, not a failure: the gateway cancels a Decode stream once it
+        # has the finish reason (or a stop string matched), and clients hang up on purpose.
+        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.end()
     try:
         asyncio.get_running_loop().create_task(finish())
     except RuntimeError:  # no loop (interpreter shutting down): end without a code
         span.end()
 
 
-def _end_with_code(span: Span, code: grpc.StatusCode) -> None:
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
-    # CANCELLED is the caller's choice, not a failure: the gateway cancels a Decode stream once it
-    # has the finish reason (or a stop string matched), and clients hang up on purpose.
-    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
-        span.set_status(Status(StatusCode.ERROR, code.name))
-    span.end()
+def server_interceptors(on: bool | None = None) -> list[grpc.aio.ServerInterceptor]:
+    """The interceptor that opens a SERVER span per traced RPC ([] when tracing is off; `on` as
+    for `client_interceptors`)."""
+    if not (enabled() if on is None else on):
+        return []
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-
-def _end_with_error(span: Span, exc: BaseException) -> None:
-    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-    span.end()
-
-
-class _ServerTracer(grpc.aio.ServerInterceptor):
-    """Wraps each traced handler so it runs inside a SERVER span continuing the caller's trace."""
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = _method_name(handler_call_details.method)
-        if handler is None or _untraced(method):
-            return handler
-        carrier = _metadata_dict(handler_call_details.invocation_metadata or ())
-        if "traceparent" not in carrier and not method.lstrip("/").startswith(ROOT_SERVICES):
-            return handler  # nobody upstream is tracing this call (background traffic)
-        parent = _propagator.extract(carrier)
-        return _wrap_handler(handler, method, parent)
-
-
-def _metadata_dict(metadata: Iterable[Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in metadata:
-        key, value = item[0], item[1]
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def _wrap_handler(handler: grpc.RpcMethodHandler, method: str, parent: otel_context.Context
-                  ) -> grpc.RpcMethodHandler:
-    def start() -> Span:
-        return tracer().start_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
-                                   attributes=_rpc_attributes(method))
-
-    def finish(span: Span, context: grpc.aio.ServicerContext, exc: BaseException | None) -> None:
-        code = _server_code(context, exc)
-        _end_with_code(span, code)
-
-    def wrap_unary_response(behavior):
-        async def traced(request_or_iterator, context):
-            span = start()
-            with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-                try:
-                    result = await behavior(request_or_iterator, context)
-                except BaseException as exc:
-                    finish(span, context, exc)
-                    raise
-            finish(span, context, None)
-            return result
-        return traced
-
-    def wrap_stream_response(behavior):
-        async def traced(request_or_iterator, context):
-            span = start()
-            with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-                try:
-                    async for item in interceptors.streamed(behavior, request_or_iterator, context):
-                        yield item
-                except BaseException as exc:
-                    finish(span, context, exc)
-                    raise
-            finish(span, context, None)
-        return traced
-
-    return interceptors.same_kind(handler, wrap_unary_response, wrap_stream_response)
-
-
-def _server_code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
-    code = None
-    try:
-        code = context.code()  # set by abort() / set_code(); None when the handler just returned
-    except Exception:  # noqa: BLE001 - older grpc: no code() on the aio context
-        pass
-    if isinstance(code, grpc.StatusCode):
-        return code
-    if isinstance(code, int):
-        return next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
-    if exc is None:
-        return grpc.StatusCode.OK
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.UNKNOWN
+    return [aio_server_interceptor(filter_=_server_traced)]

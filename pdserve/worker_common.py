@@ -19,7 +19,6 @@ import grpc
 
 from kvstore.client import KVStoreClient, PutResult
 from pdserve import kv_mac
-from pdserve.engine_args import build_engine
 from pdserve import telemetry
 from pdserve.grpc_server import DEFAULT_ERROR_CODES, mark_not_serving, serve_until_signal, start_server
 from pdserve.kvwire import encode_block
@@ -187,7 +186,16 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
     """The worker of the engine flags `args` (pdserve.engine_args) and the worker's `config`."""
     # Only the engine: the checkpoint's own weight tensors are not kept (214 MB of a fp32 SmolLM2
     # worker's RSS when held for the worker's life).
-    engine = build_engine(args)[0]
+    from pdserve.engine_args import build_worker_engine
+    from pdserve.runtime.config import ConfigError
+    from pdserve.runtime.parallel.launch import serve_with_ranks
+
+    try:
+        engine, ranks = build_worker_engine(args, config.collective_timeout_s)
+    except ConfigError as err:  # a degree that does not split the model, flags that contradict
+        raise SystemExit(f"pdserve worker: {err}") from None
+    if ranks is not None:  # a rank that exits takes this worker down; they stop when it does
+        serve_with_ranks(ranks)
     log.info("engine: %s compute, %s projections, KV %s in %d blocks of %d tokens", engine.config.dtype,
              engine.weight_format, engine.kv_format.kv_dtype, engine.config.cache.num_blocks,
              engine.kv_format.block_size)
@@ -210,10 +218,11 @@ def warn_if_unsigned(mac_key: bytes) -> None:
 
 
 def run_worker(args: argparse.Namespace, service_name: str,
-               add_servicer: Callable[[Worker, grpc.aio.Server], None]) -> int:
+               add_servicer: Callable[[Worker, grpc.aio.Server], object]) -> int:
     """Builds the worker's config (the flags and the environment, read here once) and the worker,
-    serves until SIGINT/SIGTERM, then stops cleanly; 2 with a one-line message when a setting is bad
-    (before any model is loaded)."""
+    serves until SIGINT/SIGTERM, drains (`add_servicer` returns the servicer, whose `drain` is a
+    pdserve.drain.Drain: running calls get --drain-timeout-s to finish, then are handed over), then
+    stops cleanly; 2 with a one-line message when a setting is bad (before any model is loaded)."""
     name = service_name.rsplit(".", 1)[-1]
     try:
         config = WorkerConfig.from_args(args, os.environ)
@@ -227,12 +236,15 @@ def run_worker(args: argparse.Namespace, service_name: str,
         # Before the engine exists: it asks once, when built, whether the process traces.
         telemetry.configure(telemetry.service_label([service_name]), config.process.traces)
         worker = make_worker(args, config)  # inside the loop: the kvstore channel binds to it
-        server, port = await start_server(config.bind, lambda s: add_servicer(worker, s), [service_name],
-                                          process=config.process)
+        servicers: list[object] = []
+        server, port = await start_server(config.bind, lambda s: servicers.append(add_servicer(worker, s)),
+                                          [service_name], process=config.process)
         report_engine_failure(worker, server)
         log.info("%s %s listening on port %d", service_name, worker.worker_id, port)
+        drain = getattr(servicers[0], "drain", None)
         try:
-            await serve_until_signal(server)
+            await serve_until_signal(server, drain=None if drain is None else
+                                     lambda: drain.run(config.drain_timeout_s))
         finally:
             await worker.kv.close()
             worker.aengine.stop()

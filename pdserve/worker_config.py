@@ -22,6 +22,7 @@ from pdserve.grpc_server import ProcessConfig
 
 WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generated blocks off
 RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
+DRAIN_TIMEOUT_ENV = "PDSERVE_DRAIN_TIMEOUT_S"
 # Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
 ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
 DECODE_ONLY = ("kv_write_back", "residency_interval_s")  # settings a prefill worker has no use for
@@ -44,6 +45,13 @@ class WorkerConfig(FromFlags):
     residency_interval_s: float = setting(1.0, "decode: seconds between reports of the paged cache's blocks "
                                           "to the kvstore's residency index (the gateway routes by it)",
                                           env=RESIDENCY_INTERVAL_ENV, metavar="S")
+    # Kubernetes' terminationGracePeriodSeconds must exceed it (plus the handover, pdserve.drain).
+    drain_timeout_s: float = setting(30.0, "on SIGTERM: seconds running requests may take to finish before they "
+                                     "are handed over to other workers (0: hand over at once)",
+                                     env=DRAIN_TIMEOUT_ENV, metavar="S")
+    collective_timeout_s: float = setting(30.0, "with --tensor-parallel-size > 1: seconds a collective may wait "
+                                          "for the worker's other ranks before the worker fails (a dead rank "
+                                          "fails it at once)", metavar="S")
     # Environment only: a test hook has no business in --help.
     engine_fault_after_steps: int = setting(0, "tests only: the engine fails its step after this many steps "
                                             "(0: never)", flag=None, env=ENGINE_FAULT_ENV)
@@ -60,6 +68,9 @@ class WorkerConfig(FromFlags):
         if not self.residency_interval_s > 0:
             raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
                              f"got {self.residency_interval_s:g}")
+        if not self.drain_timeout_s >= 0:  # also refuses NaN
+            raise ValueError(f"--drain-timeout-s / {DRAIN_TIMEOUT_ENV} must be >= 0 seconds, "
+                             f"got {self.drain_timeout_s:g}")
         if self.engine_fault_after_steps < 0:
             raise ValueError(f"{ENGINE_FAULT_ENV} must be a whole number of engine steps (0: never), "
                              f"got {self.engine_fault_after_steps}")

@@ -23,6 +23,11 @@ vocabulary (cached by spec) and samples the first token under its grammar; a spe
 compile (a token id the vocabulary lacks) is INVALID_ARGUMENT. When that token completes the
 grammar the reply's finish_reason is "stop" and no decode follows.
 
+Draining (SIGTERM; pdserve.drain): new Prefill calls are refused with UNAVAILABLE (the gateway
+retries them on another prefill worker, or prefills on the decode worker), running ones finish
+(a prefill is short); one still running at the drain deadline ends with UNAVAILABLE and is retried
+the same way.
+
 Ownership (a cancel can land on any await): the engine owns every block reference. The prefix
 blocks resident here when the Prefill starts are pinned under the request's id: its sequence takes
 them over when the scheduler admits it, and the `unpin` on every way out drops them if it never
@@ -42,6 +47,7 @@ import grpc
 import torch
 
 from pdserve.block_prefetch import PREFILL_BLOCKS, BlockPrefetcher, answer_prepare
+from pdserve.drain import Drain
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprob_to_proto, sampling_from_proto
 from pdserve.runtime.engine import AddRequest, StepOutput
@@ -66,6 +72,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # PREFETCH_HOLD_S (a turn later than that was mispredicted: the blocks become evictable).
         self.prefetcher = BlockPrefetcher(worker, blocks_counter=PREFILL_BLOCKS, signals=("session", "hot"),
                                           hold_s=PREFETCH_HOLD_S)
+        self.drain = Drain(f"prefill worker {worker.worker_id}")
         self._sweep = asyncio.get_running_loop().create_task(self._sweep_evicted_forever())
 
     async def _sweep_evicted_forever(self) -> None:
@@ -76,6 +83,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prepare(self, request: worker_pb2.PrepareRequest, context: grpc.aio.ServicerContext
                       ) -> worker_pb2.PrepareResponse:
+        if self.drain.draining:  # a hint: nothing is worth moving to a worker that is leaving
+            return worker_pb2.PrepareResponse()
         return await answer_prepare(self.prefetcher, request, context, "session")
 
     @abort_on(WORKER_ERROR_CODES)
@@ -83,7 +92,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       ) -> worker_pb2.PrefillResponse:
         if not request.request_id:
             raise ValueError("request_id is empty: the gateway names every request")
-        return await self.flights.run(request.request_id, lambda: self._prefill(request))
+        with self.drain.call():  # UNAVAILABLE at once while draining: the gateway goes elsewhere
+            return await self.drain.unless_handed_over(self.flights.run(request.request_id,
+                                                                        lambda: self._prefill(request)))
 
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         rid, prompt = request.request_id, list(request.token_ids)
@@ -170,5 +181,8 @@ def _leading(hashes: list[bytes], blocks: dict[bytes, torch.Tensor],
     return out
 
 
-def add_to_server(worker: Worker, server: grpc.aio.Server) -> None:
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
+def add_to_server(worker: Worker, server: grpc.aio.Server) -> PrefillServicer:
+    """Serve a PrefillServicer of `worker` on `server`; the servicer (run_worker drains it on SIGTERM)."""
+    servicer = PrefillServicer(worker)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    return servicer

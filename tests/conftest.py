@@ -188,6 +188,8 @@ STACK_MODULES = {
     "test_stack.py",  # parity, batching, cancellation through a 2+2 stack
     "test_stack_faults.py",  # prefill / decode / gateway SIGKILLed mid-stream
     "test_up_supervisor.py",  # `pdserve up` and the Supervisor with real children
+    "test_tensor_parallel.py",  # gloo ranks in real processes
+    "test_otel_export.py",  # a stack exporting to OTLP receivers in the test
 }
 
 # Fixtures that start processes. An item needing one, directly or through another fixture
@@ -216,6 +218,7 @@ STACK_TESTS = {
     "test_secure_defaults.py::test_standalone_worker_without_a_key_warns_once",  # `pdserve prefill`
     "test_secure_defaults.py::test_a_short_key_stops_a_worker_without_echoing_it",  # `pdserve decode`
     "test_secure_defaults.py::test_secrets_command_creates_compose_secrets_once",  # `pdserve secrets` x2
+    "test_scale.py::test_scale_decode_one_two_one_under_load",  # `pdserve up` + `pdserve scale`
     "test_soak.py::test_soak_with_a_decode_kill_keeps_the_invariants",  # `pdserve soak`: a stack
     "test_up.py::test_supervisor_reports_a_dead_child_and_kills_stubborn_ones",  # Supervisor, real children
     "test_up.py::test_supervisor_startup_timeout_names_the_child",  # Supervisor, a real child

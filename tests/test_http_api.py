@@ -226,7 +226,8 @@ def test_models_health_metrics_page(stack, client):
             return r.read().decode()
 
     def ok_requests(text: str) -> float:
-        return float(re.search(r'^pdserve_requests_total\{status="OK"\} (\S+)$', text, re.M)[1])
+        return sum(float(v) for v in re.findall(  # every model_name's (labels are written sorted)
+            r'^pdserve_requests_total\{model_name="[^"]*",status="OK"\} (\S+)$', text, re.M))
 
     before = ok_requests(metrics())
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
@@ -355,7 +356,8 @@ def _requests(status: str) -> float:
     """pdserve_requests_total{status} of this process (where the in-process gateway runs)."""
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("pdserve_requests_total", {"status": status}) or 0.0
+    return sum(s.value for family in REGISTRY.collect() for s in family.samples  # any model_name
+               if s.name == "pdserve_requests_total" and s.labels.get("status") == status)
 
 
 async def _no_workers() -> None:

@@ -1,7 +1,9 @@
-"""Prometheus metrics: the engine's (batch size, step time, queue time, running/waiting, KV blocks)
-recorded by AsyncEngine, the gateway's request metrics, and /metrics over HTTP from start_server
-when PDSERVE_METRICS_PORT is set. Values are checked against what the test itself did (known
-batch sizes, token counts, injected clocks), as deltas of the process-wide default registry."""
+"""Prometheus metrics: the engine's (batch size, step time, queue time, running/waiting, KV blocks and
+usage) recorded by AsyncEngine, the gateway's request metrics (by model_name, inter-token latency),
+and /metrics over HTTP from start_server when PDSERVE_METRICS_PORT is set, serving only the
+service's own registry. Values are checked against what the test itself did (known batch sizes,
+token counts, injected clocks), as deltas of the process-wide registries (pdserve.metric_registries).
+tests/test_otel_export.py checks the families each process of a real stack serves."""
 
 from __future__ import annotations
 
@@ -13,17 +15,25 @@ import pytest
 from prometheus_client import REGISTRY
 
 from conftest import STORIES_GGUF
+from pdserve.metric_registries import WORKER
 from pdserve.runtime.async_engine import AsyncEngine
 from pdserve.runtime.engine import AddRequest
 from pdserve.runtime.sampling_params import SamplingParams
 
 
 def value(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    """A worker sample (the engine's metrics are on the WORKER registry)."""
+    return WORKER.get_sample_value(name, labels) or 0.0
 
 
 def bucket(name: str, le: str) -> float:
     return value(f"{name}_bucket", le=le)
+
+
+def total(name: str, **labels: str) -> float:
+    """A gateway sample summed over the labels not given (model_name, for one)."""
+    return sum(s.value for family in REGISTRY.collect() for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +53,7 @@ def test_engine_metrics_follow_the_steps(make_engine, tiny_model) -> None:
     batch4_0 = bucket("pdserve_engine_batch_size", "4.0") - bucket("pdserve_engine_batch_size", "2.0")
     aengine = AsyncEngine(engine, batch_window_s=0.05).start()  # a window long enough to batch all four
     seen_running: list[float] = []
+    seen_usage: list[float] = []
 
     async def one(i: int) -> int:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -50,6 +61,7 @@ def test_engine_metrics_follow_the_steps(make_engine, tiny_model) -> None:
         async for outs in aengine.generate(AddRequest(f"m{i}", [3, 4, 5, i + 6], params)):
             n += sum(len(o.new_token_ids) for o in outs)
             seen_running.append(value("pdserve_engine_running_seqs"))
+            seen_usage.append(value("pdserve_kv_cache_usage_ratio"))
         return n
 
     async def main() -> list[int]:
@@ -72,6 +84,8 @@ def test_engine_metrics_follow_the_steps(make_engine, tiny_model) -> None:
     bm = engine.block_manager
     assert value("pdserve_kv_blocks_free") == bm.num_free_blocks == 64
     assert value("pdserve_kv_blocks_used") == 0
+    # four sequences of 10 tokens hold one 16-token block each while they run: 4 of 64 blocks at most
+    assert 0 < max(seen_usage) <= 4 / 64 and value("pdserve_kv_cache_usage_ratio") == 0
 
 
 class FakeClock:
@@ -84,30 +98,51 @@ class FakeClock:
 
 def test_gateway_request_metrics_from_known_timings() -> None:
     from gateway import observe
+    from gateway.flow import GenerationRequest
+    from gateway.output import OutputChunk, Usage
 
     clock = FakeClock()
-    before = {n: value(n) for n in ("pdserve_ttft_seconds_sum", "pdserve_tpot_seconds_sum", "pdserve_e2e_seconds_sum",
-                                    "pdserve_queue_seconds_sum", "pdserve_output_tokens_total")}
-    ok0 = value("pdserve_requests_total", status="OK")
-    obs = observe.RequestObserver(None, clock=clock)
+    m = {"model_name": "m-timings"}
+    names = ("pdserve_ttft_seconds_sum", "pdserve_tpot_seconds_sum", "pdserve_e2e_seconds_sum",
+             "pdserve_queue_seconds_sum", "pdserve_output_tokens_total", "pdserve_inter_token_latency_seconds_sum",
+             "pdserve_inter_token_latency_seconds_count")
+    before = {n: total(n, **m) for n in names}
+    ok0 = total("pdserve_requests_total", status="OK", **m)
+    obs = observe.RequestObserver(None, clock=clock, request_id="r-1")
+    obs.describe("m-timings", GenerationRequest("r-1", SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9),
+                                                messages=({"role": "user", "content": "hi"},)))
     clock.now = 0.004
     obs.dispatched()
     clock.now = 0.030
-    obs.chunk(1)  # first token at 30 ms
-    for _ in range(4):  # 8 more tokens in 4 chunks, the last at 30 + 4 * 10 ms
+    obs.output(OutputChunk("a", (5,)))  # first token at 30 ms
+    for i in range(4):  # 8 more tokens in 4 chunks, the last at 30 + 4 * 10 ms
         clock.now += 0.010
-        obs.chunk(2)
+        last = i == 3
+        obs.output(OutputChunk("bb", (6, 7), finish_reason="length" if last else "",
+                               usage=Usage(4, 9, 0) if last else None))
     obs.finish("OK")
     obs.finish("OK")  # recorded once
-    assert value("pdserve_requests_total", status="OK") - ok0 == 1
-    assert value("pdserve_ttft_seconds_sum") - before["pdserve_ttft_seconds_sum"] == pytest.approx(0.030)
-    assert value("pdserve_queue_seconds_sum") - before["pdserve_queue_seconds_sum"] == pytest.approx(0.004)
-    assert value("pdserve_e2e_seconds_sum") - before["pdserve_e2e_seconds_sum"] == pytest.approx(0.070)
+
+    def delta(name: str) -> float:
+        return total(name, **m) - before[name]
+    assert total("pdserve_requests_total", status="OK", **m) - ok0 == 1
+    assert delta("pdserve_ttft_seconds_sum") == pytest.approx(0.030)
+    assert delta("pdserve_queue_seconds_sum") == pytest.approx(0.004)
+    assert delta("pdserve_e2e_seconds_sum") == pytest.approx(0.070)
     # TPOT: 40 ms after the first token for the 8 tokens after it
-    assert value("pdserve_tpot_seconds_sum") - before["pdserve_tpot_seconds_sum"] == pytest.approx(0.040 / 8)
-    assert value("pdserve_output_tokens_total") - before["pdserve_output_tokens_total"] == 9
+    assert delta("pdserve_tpot_seconds_sum") == pytest.approx(0.040 / 8)
+    # ITL: every token after the first, each 10 ms / 2 after the one before it
+    assert delta("pdserve_inter_token_latency_seconds_count") == 8
+    assert delta("pdserve_inter_token_latency_seconds_sum") == pytest.approx(0.040)
+    assert delta("pdserve_output_tokens_total") == 9
     # millisecond resolution: a 30 ms TTFT is in the 30 ms bucket, not the 20 ms one
-    assert bucket("pdserve_ttft_seconds", "0.03") - bucket("pdserve_ttft_seconds", "0.02") >= 1
+    ttft_bucket = "pdserve_ttft_seconds_bucket"
+    assert total(ttft_bucket, le="0.03", **m) - total(ttft_bucket, le="0.02", **m) >= 1
+    # what the request span gets (GenAI semantic conventions)
+    assert obs.attributes == {"gen_ai.response.id": "r-1", "gen_ai.request.model": "m-timings",
+                              "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": 9,
+                              "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9}
+    assert (obs.input_tokens, obs.output_tokens, obs.finish_reasons) == (4, 9, ["length"])
 
 
 def test_gateway_servicer_counts_statuses_and_in_flight() -> None:
@@ -124,7 +159,7 @@ def test_gateway_servicer_counts_statuses_and_in_flight() -> None:
         prefill_pool = type("P", (), {"endpoints": []})()
 
         async def run(self, request, time_remaining):
-            in_flight.append(value("pdserve_requests_in_flight"))
+            in_flight.append(total("pdserve_requests_in_flight"))
             if request.prompt == "busy":
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
             yield OutputChunk(text="a", token_ids=(5,), logprobs=(), finish_reason="")
@@ -139,9 +174,9 @@ def test_gateway_servicer_counts_statuses_and_in_flight() -> None:
 
     slo = SloMonitor(SloConfig(min_samples=1, eval_interval_s=0.0))
     servicer = GatewayServicer(FakeFlow(), slo)
-    ok0 = value("pdserve_requests_total", status="OK")
-    busy0 = value("pdserve_requests_total", status="RESOURCE_EXHAUSTED")
-    flight0 = value("pdserve_requests_in_flight")
+    ok0 = total("pdserve_requests_total", status="OK")
+    busy0 = total("pdserve_requests_total", status="RESOURCE_EXHAUSTED")
+    flight0 = total("pdserve_requests_in_flight")
 
     async def main() -> None:
         sampling = SamplingParams(max_tokens=2)
@@ -152,34 +187,58 @@ def test_gateway_servicer_counts_statuses_and_in_flight() -> None:
                 pass
         servicer._slo_task.cancel()
     asyncio.run(main())
-    assert value("pdserve_requests_total", status="OK") - ok0 == 1
-    assert value("pdserve_requests_total", status="RESOURCE_EXHAUSTED") - busy0 == 1
-    assert in_flight == [flight0 + 1, flight0 + 1] and value("pdserve_requests_in_flight") == flight0
+    assert total("pdserve_requests_total", status="OK") - ok0 == 1
+    assert total("pdserve_requests_total", status="RESOURCE_EXHAUSTED") - busy0 == 1
+    assert in_flight == [flight0 + 1, flight0 + 1] and total("pdserve_requests_in_flight") == flight0
     assert slo.state.samples == 1  # the successful request's TTFT reached the SLO monitor
     assert observe.status_of(asyncio.CancelledError()) == "CANCELLED"
     assert observe.status_of(ValueError("x")) == "INVALID_ARGUMENT"
 
 
-def test_metrics_over_http_when_the_port_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def _families(port: int) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name for f in text_string_to_metric_families(body)}
+
+
+@pytest.mark.parametrize(("service", "own", "others"), [
+    ("pdserve.v1.DecodeWorker", ("pdserve_engine_step_seconds", "pdserve_engine_batch_size", "pdserve_kv_blocks_free",
+                                 "pdserve_engine_running_seqs", "pdserve_kv_cache_usage_ratio",
+                                 "pdserve_engine_preemptions", "pdserve_prefix_cache_queries"),
+     ("pdserve_requests", "pdserve_ttft_seconds", "pdserve_slo_breach", "pdserve_kvstore_blocks")),
+    ("pdserve.v1.KVStore", ("pdserve_kvstore_evictions",),
+     ("pdserve_requests", "pdserve_ttft_seconds", "pdserve_engine_step_seconds", "pdserve_kv_transfer_bytes")),
+])
+def test_metrics_over_http_serve_the_service_alone(monkeypatch: pytest.MonkeyPatch, service: str,
+                                                   own: tuple[str, ...], others: tuple[str, ...]) -> None:
+    import gateway.observe  # noqa: F401 - the gateway's metrics exist in this process, as in every service's
+    import kvstore.metrics  # noqa: F401
     from pdserve import grpc_server
     from pdserve.ports import free_port
 
     port = free_port()
     process = grpc_server.ProcessConfig.from_env({grpc_server.METRICS_PORT_ENV: str(port)})  # as a main builds it
+    assert process.metrics_host == ""  # the service's bind host
     monkeypatch.setattr(grpc_server, "_metrics_port", None)
 
     async def main() -> None:
-        server, _ = await grpc_server.start_server("127.0.0.1:0", lambda s: None, ["pdserve.v1.Test"],
-                                                   process=process)
+        server, _ = await grpc_server.start_server("127.0.0.1:0", lambda s: None, [service], process=process)
         try:
             assert grpc_server.start_metrics_http() == port  # once per process
         finally:
             await grpc_server.stop_server(server, 0)
     asyncio.run(main())
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for name in ("pdserve_engine_step_seconds_bucket", "pdserve_engine_batch_size_bucket", "pdserve_kv_blocks_free",
-                 "pdserve_engine_running_seqs", "pdserve_engine_waiting_seqs"):
-        assert name in body, name
+    families = _families(port)  # bound on 127.0.0.1, the gRPC server's host
+    assert set(own) <= families and not set(others) & families, families
+    assert "process_cpu_seconds" in families  # every service has the process collectors
+
+
+def test_metrics_host_follows_the_bind_host() -> None:
+    from pdserve.grpc_server import bind_host
+
+    assert [bind_host(b) for b in ("0.0.0.0:50051", "[::1]:7", "localhost:0", ":9")] == \
+        ["0.0.0.0", "::1", "localhost", "127.0.0.1"]
 
 
 def test_busy_metrics_port_does_not_stop_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,3 +251,34 @@ def test_busy_metrics_port_does_not_stop_the_service(monkeypatch: pytest.MonkeyP
         taken.listen()
         monkeypatch.setattr(grpc_server, "_metrics_port", None)
         assert grpc_server.start_metrics_http(taken.getsockname()[1]) is None
+
+
+def _run(engine, requests: list[AddRequest]) -> None:
+    for request in requests:
+        engine.add(request)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_preemptions_and_prefix_cache_lookups_are_counted(make_engine, tiny_model) -> None:
+    """Two sequences that outgrow a 3-block cache: the newer is preempted (recomputed later). The same
+    prompt again: its leading full blocks come from the prefix cache. Needs the scheduler's and the
+    block manager's calls into engine_metrics (count_preemptions, count_prefix_lookup)."""
+    config, weights = tiny_model
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # 22 tokens: 2 blocks each
+    engine = make_engine(config, weights, num_blocks=3, block_size=16, max_num_seqs=2)
+    preempted0 = value("pdserve_engine_preemptions_total")
+    _run(engine, [AddRequest("p1", list(range(3, 13)), greedy), AddRequest("p2", list(range(20, 30)), greedy)])
+    assert value("pdserve_engine_preemptions_total") - preempted0 >= 1
+
+    engine = make_engine(config, weights, num_blocks=64)
+    prompt = list(range(3, 43))  # 40 tokens: two full 16-token blocks and a tail
+    start = (value("pdserve_prefix_cache_queries_total"), value("pdserve_prefix_cache_hits_total"))
+
+    def lookups() -> tuple[float, float]:
+        return (value("pdserve_prefix_cache_queries_total") - start[0],
+                value("pdserve_prefix_cache_hits_total") - start[1])
+    _run(engine, [AddRequest("c1", prompt, SamplingParams(max_tokens=2, temperature=0))])
+    assert lookups() == (40, 0)
+    _run(engine, [AddRequest("c2", prompt, SamplingParams(max_tokens=2, temperature=0))])
+    assert lookups() == (80, 32)

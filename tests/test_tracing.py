@@ -59,9 +59,9 @@ def _complete(rows: list[dict]) -> bool:
     """Both requests' gateway spans, the decode worker's server span (it ends after the gateway has
     its last chunk: the gateway then cancels the call) and the lease release are written."""
     names = [(r["service"], r["name"]) for r in rows]
-    return (names.count(("pdserve-gateway", "pdserve.v1.Gateway/Generate")) == 2
-            and ("pdserve-decode", "pdserve.v1.DecodeWorker/Decode") in names
-            and ("pdserve-kvstore", "pdserve.v1.KVStore/Release") in names)
+    return (names.count(("pdserve-gateway", "/pdserve.v1.Gateway/Generate")) == 2
+            and ("pdserve-decode", "/pdserve.v1.DecodeWorker/Decode") in names
+            and ("pdserve-kvstore", "/pdserve.v1.KVStore/Release") in names)
 
 
 def _wait_for_spans(path: Path, complete, timeout_s: float = 15.0) -> list[dict]:
@@ -114,11 +114,12 @@ def test_spans_are_parented_as_the_request_travelled(spans: list[dict]) -> None:
     assert request["attributes"]["pdserve.output_tokens"] == 8
 
     # gateway request -> Prefill client -> Prefill server -> PutBlocks client -> kvstore PutBlocks server
-    prefill_client = _one(trace, "pdserve.v1.PrefillWorker/Prefill", "gateway", kind="CLIENT")
-    prefill_server = _one(trace, "pdserve.v1.PrefillWorker/Prefill", "prefill", kind="SERVER")
-    put_client = _one(trace, "pdserve.v1.KVStore/PutBlocks", "prefill", kind="CLIENT")
+    prefill_client = _one(trace, "/pdserve.v1.PrefillWorker/Prefill", "gateway", kind="CLIENT")
+    prefill_server = _one(trace, "/pdserve.v1.PrefillWorker/Prefill", "prefill", kind="SERVER")
+    put_client = _one(trace, "/pdserve.v1.KVStore/PutBlocks", "prefill", kind="CLIENT")
     # The kvstore also serves the decode worker's write-back of filled blocks: pick by parent.
-    put_servers = [r for r in trace if r["name"] == "pdserve.v1.KVStore/PutBlocks" and r["service"] == "pdserve-kvstore"]
+    put_servers = [r for r in trace
+                   if r["name"] == "/pdserve.v1.KVStore/PutBlocks" and r["service"] == "pdserve-kvstore"]
     put_server = next((r for r in put_servers if r["parent_span_id"] == put_client["span_id"]), put_servers[0])
     assert parent(prefill_client) is request
     assert parent(prefill_server) is prefill_client
@@ -126,10 +127,10 @@ def test_spans_are_parented_as_the_request_travelled(spans: list[dict]) -> None:
     assert parent(put_server) is put_client
 
     # gateway request -> Decode client -> Decode server -> GetBlocks client -> kvstore GetBlocks server
-    decode_client = _one(trace, "pdserve.v1.DecodeWorker/Decode", "gateway", kind="CLIENT")
-    decode_server = _one(trace, "pdserve.v1.DecodeWorker/Decode", "decode", kind="SERVER")
-    get_client = _one(trace, "pdserve.v1.KVStore/GetBlocks", "decode", kind="CLIENT")
-    get_server = _one(trace, "pdserve.v1.KVStore/GetBlocks", "kvstore", kind="SERVER")
+    decode_client = _one(trace, "/pdserve.v1.DecodeWorker/Decode", "gateway", kind="CLIENT")
+    decode_server = _one(trace, "/pdserve.v1.DecodeWorker/Decode", "decode", kind="SERVER")
+    get_client = _one(trace, "/pdserve.v1.KVStore/GetBlocks", "decode", kind="CLIENT")
+    get_server = _one(trace, "/pdserve.v1.KVStore/GetBlocks", "kvstore", kind="SERVER")
     assert parent(decode_client) is request
     assert parent(decode_server) is decode_client
     assert parent(get_client) is decode_server
@@ -150,8 +151,8 @@ def test_spans_are_parented_as_the_request_travelled(spans: list[dict]) -> None:
 
 def test_engine_steps_are_root_spans_linked_to_the_request(spans: list[dict]) -> None:
     root = _root(spans)
-    decode_server = _one(spans, "pdserve.v1.DecodeWorker/Decode", "decode", kind="SERVER")
-    prefill_server = _one(spans, "pdserve.v1.PrefillWorker/Prefill", "prefill", kind="SERVER")
+    decode_server = _one(spans, "/pdserve.v1.DecodeWorker/Decode", "decode", kind="SERVER")
+    prefill_server = _one(spans, "/pdserve.v1.PrefillWorker/Prefill", "prefill", kind="SERVER")
     steps = [r for r in spans if r["name"] == "engine.step"]
     assert all(r["parent_span_id"] is None and r["trace_id"] != root["trace_id"] for r in steps)
 
@@ -168,7 +169,7 @@ def test_engine_steps_are_root_spans_linked_to_the_request(spans: list[dict]) ->
 def test_background_traffic_starts_no_traces(spans: list[dict]) -> None:
     # Health probes, Stats polls and residency reports ran throughout; none may appear.
     names = {r["name"] for r in spans}
-    assert not any(n.startswith("grpc.health") or n.endswith("/Stats") or n.endswith("/ReportResidency")
+    assert not any(n.lstrip("/").startswith("grpc.health") or n.endswith("/Stats") or n.endswith("/ReportResidency")
                    for n in names), names
 
 
@@ -272,7 +273,52 @@ def test_failed_request_is_an_error_span(spans: list[dict]) -> None:
     assert len(bad) == 1 and bad[0]["status"] == "ERROR"
     assert bad[0]["attributes"]["pdserve.status"] == "INVALID_ARGUMENT"
     server = next(r for r in spans if r["span_id"] == bad[0]["parent_span_id"])
-    assert server["status"] == "ERROR" and server["attributes"]["rpc.grpc.status_code"] == 3
+    # The RPC semantic conventions (the gRPC instrumentation's server spans follow them): a client's
+    # mistake (INVALID_ARGUMENT) is no server error, the code says what happened.
+    assert server["status"] == "UNSET" and server["attributes"]["rpc.grpc.status_code"] == 3
     good = _one(spans, "gateway.request", "gateway", status="UNSET")
     errors = [(r["service"], r["name"], r["kind"]) for r in spans if r["trace_id"] == good["trace_id"] and r["status"] == "ERROR"]
     assert not errors, errors
+
+
+# ---- the standard OTEL_* variables, as ProcessConfig reads them --------------------------------
+
+def test_otel_variables_configure_tracing_as_the_sdk_defines_them() -> None:
+    from pdserve.grpc_server import ProcessConfig
+
+    def config(**env: str) -> tuple[str, str]:
+        c = ProcessConfig.from_env(env)
+        return c.traces, c.traces_protocol
+    assert config() == ("none", "grpc")  # nothing asked: off (not the SDK's otlp default)
+    assert config(OTEL_TRACES_EXPORTER="otlp") == ("otlp", "grpc")
+    assert config(OTEL_TRACES_EXPORTER="console, otlp") == ("console,otlp", "grpc")
+    assert config(OTEL_TRACES_EXPORTER="otlp", OTEL_SDK_DISABLED="true") == ("none", "grpc")
+    assert config(OTEL_TRACES_EXPORTER="console", PDSERVE_TRACES="file:/tmp/x.jsonl")[0] == "file:/tmp/x.jsonl"
+    assert config(OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf") == ("none", "http/protobuf")
+    assert config(OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf")[1] == \
+        "http/protobuf"  # the traces variable first, as the SDK reads them
+    for bad in ({"OTEL_TRACES_EXPORTER": "zipkin"}, {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}):
+        with pytest.raises(ValueError):
+            ProcessConfig.from_env(bad)
+
+
+def test_the_resource_follows_otel_service_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    attrs = telemetry.resource_for("decode").attributes
+    assert (attrs["service.name"], attrs["pdserve.service"]) == ("pdserve-decode", "decode")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "chat-prod")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod")
+    attrs = telemetry.resource_for("decode").attributes
+    assert (attrs["service.name"], attrs["pdserve.service"], attrs["deployment.environment"]) == \
+        ("chat-prod", "decode", "prod")
+
+
+def test_a_grpc_request_span_has_the_genai_attributes(spans: list[dict]) -> None:
+    request = _one(spans, "gateway.request", "gateway", status="UNSET")
+    attrs = request["attributes"]
+    assert attrs["gen_ai.operation.name"] == "text_completion"  # a Generate (a Chat would be "chat")
+    assert attrs["gen_ai.request.model"] and attrs["gen_ai.response.id"] == REQUEST_ID
+    assert (attrs["gen_ai.request.max_tokens"], attrs["gen_ai.request.temperature"]) == (8, 0.0)
+    assert (attrs["gen_ai.usage.output_tokens"], list(attrs["gen_ai.response.finish_reasons"])) == (8, ["length"])
+    assert attrs["gen_ai.usage.input_tokens"] > 16  # the prompt fills more than one block

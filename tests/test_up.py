@@ -80,6 +80,24 @@ def test_plan_commands_parse() -> None:
     assert gw.prefill == ",".join(w.address for w in workers[1:3]) and gw.bind == "127.0.0.1:50051"
 
 
+
+def test_plan_passes_each_kind_its_degree_and_the_drain() -> None:
+    """--tensor-parallel-size reaches both kinds, --decode-tensor-parallel-size and --speculative-ngram
+    only decode workers;
+    the workers' drain deadline is half the grace period unless --drain-timeout-s says."""
+    args = build_parser().parse_args(["up", "--decode", "1", "--tensor-parallel-size", "3",
+                                      "--decode-tensor-parallel-size", "1", "--grace-period", "8",
+                                      "--speculative-ngram", "4", "--prefill-pipeline-parallel-size", "2"])
+    workers, _ = plan(args)
+    by_name = {w.name: (build_parser().parse_args(list(w.command[3:])), dict(w.env)) for w in workers}
+    assert by_name["prefill-0"][0].tensor_parallel_size == 3 and by_name["decode-0"][0].tensor_parallel_size == 1
+    assert by_name["decode-0"][0].speculative_ngram == 4 and by_name["prefill-0"][0].speculative_ngram == 0
+    assert by_name["prefill-0"][0].pipeline_parallel_size == 2 and by_name["decode-0"][0].pipeline_parallel_size == 1
+    assert by_name["decode-0"][1]["PDSERVE_DRAIN_TIMEOUT_S"] == "4"
+    args = build_parser().parse_args(["up", "--drain-timeout-s", "0"])
+    assert dict(plan(args)[0][-1].env)["PDSERVE_DRAIN_TIMEOUT_S"] == "0"
+
+
 AB_CONFIG = """
 [deployments.fp32]
 model = "{model}"

@@ -63,7 +63,13 @@ async def count_requests(request: web.Request, handler: Handler) -> web.StreamRe
 @web.middleware
 async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The request's SERVER span (gateway.observe.http_server_span) when tracing is on and the request
-    is traced: one of the API's (not /health, /metrics or the page) or one that sent a traceparent."""
+    is traced: one of the API's (not /health, /metrics or the page) or one that sent a traceparent.
+
+    Ours rather than opentelemetry-instrumentation-aiohttp-server's middleware: that one is
+    configured only by AioHttpServerInstrumentor().instrument(), which replaces aiohttp's
+    web.Application class process-wide (every app made after, tests' included), and it traces every
+    request its URL-regex list does not exclude, so each health probe would start a trace. The
+    span is the same (name "METHOD route", http.* attributes, the process's propagators)."""
     if "traceparent" not in request.headers and not request.path.startswith(TRACED_PREFIXES):
         return await handler(request)
     resource = request.match_info.route.resource

@@ -131,6 +131,7 @@ class ApiHandlers:
             # The same request metrics, span and SLO feed as a gRPC request (gateway.observe): the
             # exception leaving this block (or none) is the status it records.
             with observe_request(api.request.public_id, api.request.session_id, self.slo) as obs:
+                obs.describe(route.deployment.name, api.request, response_id=api.response_id)
                 stream = self._run_choices(route, choices, deadline_in(self.timeout_s), obs)
                 async with aclosing(stream):  # however we leave, the flow's downstream calls end
                     first = await anext(stream, None)  # errors up to the first token keep their status
@@ -428,7 +429,7 @@ def _too_long(prompt_tokens: int, max_tokens: int | None, window: int, param: st
 async def _observed(stream: AsyncIterator[OutputChunk], obs: RequestObserver) -> AsyncIterator[OutputChunk]:
     """`stream`, telling the observer about each chunk (TTFT, tokens) as it passes."""
     async for chunk in stream:
-        obs.chunk(len(chunk.token_ids))
+        obs.output(chunk)
         yield chunk
 
 

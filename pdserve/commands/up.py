@@ -31,6 +31,12 @@ does not come up in --startup-timeout, during start-up stops the rest, and `up` 
 message naming it and its last output. Once ready, `up` is a supervisor: a child that dies is logged
 (its exit and the delay) and restarted on its address with exponential back-off (RestartPolicy);
 only a signal stops `up`. Children exit when `up` dies, even by SIGKILL (pdserve/parent_watch.py).
+
+The workers can be added and removed while `up` runs: the gateway reads them from list files in
+the run directory (--run-dir: `--prefill file:///RUN/prefill.targets`, gateway.target_file), and
+`pdserve scale --decode N [--prefill N]` asks `up` through the control socket there
+(pdserve.control) to start or stop workers (pdserve.scaler); SIGUSR1 adds a decode worker, SIGUSR2
+removes one. (Not with --config: its deployments keep the workers they start with.)
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from pdserve.ports import free_port, taken_port  # noqa: F401 (free_port: re-exported)
+from pdserve.scaler import DEFAULT_MAX_WORKERS, Scaler
 from pdserve.supervisor import Child, ChildSpec, RestartPolicy, StartupError, Supervisor, announce, pdserve_command
 
 NAME = "up"
@@ -58,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from gateway.config import GatewayConfig
     from pdserve.config_flags import add_flags
     from kvstore.config import KVStoreConfig
-    from pdserve.engine_args import add_dtype_args
+    from pdserve.engine_args import add_dtype_args, add_speculative_args
 
     # The children's defaults are their configs': one default per setting, whoever starts them.
     gateway, kvstore = GatewayConfig(), KVStoreConfig()
@@ -79,8 +87,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # The gateway's own flags, forwarded to it (`_with_gateway_surface`): one definition, one default.
     add_flags(p, GatewayConfig, only=FORWARDED_GATEWAY_SETTINGS)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per worker (0: torch's default)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="ranks (processes) of each prefill and decode worker (docs/parallelism.md)")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="the prefill workers' degree when it differs (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="the decode workers' degree when it differs (default: --tensor-parallel-size)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="M",
+                   help="pipeline stages (processes) of each prefill and decode worker (docs/parallelism.md)")
+    p.add_argument("--prefill-pipeline-parallel-size", type=int, default=None, metavar="M",
+                   help="the prefill workers' stages when they differ (default: --pipeline-parallel-size)")
+    p.add_argument("--decode-pipeline-parallel-size", type=int, default=None, metavar="M",
+                   help="the decode workers' stages when they differ (default: --pipeline-parallel-size)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
+    add_speculative_args(p)  # decode workers' --speculative-ngram, --speculative-max-batch
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
     p.add_argument("--max-batched-tokens", type=int, default=0,
                    help="token budget of one engine step in each worker (0: the workers' default); smaller"
@@ -97,12 +118,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds each phase may take to report SERVING")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds between SIGTERM and SIGKILL when stopping the children")
+    p.add_argument("--drain-timeout-s", type=float, default=None,
+                   help="seconds a stopped or scaled-in worker lets its streams run before it hands them over "
+                        "(default: half of --grace-period, which must also cover the handover)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML file of named deployments and A/B experiments (docs/experiments.md): starts "
                         "every deployment's kvstore and workers and one gateway over all of them; "
                         "--prefill/--decode/--num-blocks are the defaults of deployments that set none")
     p.add_argument("--experiment-seed", type=int, default=None,
                    help="with --config: seed of the gateway's random arm choices")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="directory of the control socket `pdserve scale` talks to and of the gateway's worker "
+                        "list files, created 0700 (default: $XDG_RUNTIME_DIR/pdserve/up-GRPC_PORT, else "
+                        "/tmp/pdserve-UID/up-GRPC_PORT)")
+    p.add_argument("--max-workers", type=int, default=DEFAULT_MAX_WORKERS, metavar="N",
+                   help="most prefill and most decode workers `pdserve scale` may ask for")
     p.add_argument("--internal-token", action=argparse.BooleanOptionalAction, default=True,
                    help="generate a random internal token for the children when PDSERVE_INTERNAL_TOKEN(_FILE) "
                         "is unset (default); --no-internal-token leaves the internal ports open to any local "
@@ -147,6 +177,7 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     # Resolved once here ("auto", the KV format following it), so every child gets the same.
     args.dtype, args.kv_dtype = resolved_dtypes(args.dtype, args.kv_dtype)
     loopback = "127.0.0.1"
+    drain_env = _drain_env(args, os.environ)
     kv = f"{loopback}:{free_port()}"
     model = ("--model", args.model) if args.model else ()
     engine = (*model, "--dtype", args.dtype, "--weight-format", args.weight_format,
@@ -159,9 +190,10 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     for kind, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             addr = f"{loopback}:{free_port()}"
-            extra = ("--max-batch-size", str(args.max_batch_size)) if kind == "decode" else ()
+            extra = _decode_flags(args) if kind == "decode" else ()
+            extra += _parallel_flags(args, kind)
             workers.append(ChildSpec(f"{kind}-{i}", addr, pdserve_command(
-                kind, "--bind", addr, "--kvstore", kv, *engine, *extra)))
+                kind, "--bind", addr, "--kvstore", kv, *engine, *extra), env=drain_env))
     gw = f"{args.host}:{args.grpc_port}"
     gateway = ChildSpec("gateway", gw, pdserve_command(
         "gateway", "--bind", gw, "--kvstore", kv, *model, "--block-size", str(args.block_size),
@@ -217,6 +249,33 @@ def cluster_secret_env(environ: Mapping[str, str], internal_token: bool = True) 
     return env
 
 
+def _decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """What only decode workers take: the batch size and speculative decoding."""
+    return ("--max-batch-size", str(args.max_batch_size), "--speculative-ngram", str(args.speculative_ngram),
+            "--speculative-max-batch", str(args.speculative_max_batch))
+
+
+def _parallel_flags(args: argparse.Namespace, kind: str) -> tuple[str, ...]:
+    """--tensor-parallel-size / --pipeline-parallel-size of a `kind` worker, where not 1 (each rank a
+    process): the kind's own flag, else the one for both."""
+    flags: tuple[str, ...] = ()
+    for split in ("tensor", "pipeline"):
+        size = getattr(args, f"{kind}_{split}_parallel_size") or getattr(args, f"{split}_parallel_size")
+        flags += (f"--{split}-parallel-size", str(size)) if size != 1 else ()
+    return flags
+
+
+def _drain_env(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The workers' drain deadline: --drain-timeout-s, else the environment's, else half of
+    --grace-period, so that a drain ends before the SIGKILL (the rest is the handover, pdserve.drain)."""
+    from pdserve.worker_config import DRAIN_TIMEOUT_ENV
+
+    if args.drain_timeout_s is None and DRAIN_TIMEOUT_ENV in environ:
+        return ()
+    drain_s = args.drain_timeout_s if args.drain_timeout_s is not None else args.grace_period / 2
+    return ((DRAIN_TIMEOUT_ENV, f"{drain_s:g}"),)
+
+
 def _with_cluster_secrets(workers: list[ChildSpec], gateway: ChildSpec,
                           internal_token: bool) -> tuple[list[ChildSpec], ChildSpec]:
     """Every child gets the internal token; only prefill and decode workers get the KV MAC key
@@ -258,21 +317,53 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve up: {refusal}", file=sys.stderr)
         return 2
     sup = Supervisor(args.grace_period, RestartPolicy())
+    from pdserve.control import ControlError
+
+    try:
+        scaler, gateway = _scaler(args, sup, workers, gateway)
+    except ControlError as err:
+        print(f"pdserve up: {err}", file=sys.stderr)
+        return 2
 
     def request_stop(signum: int, frame: object) -> None:
         sup.stop_requested = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, request_stop)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: scaler.on_signal(+1))
+    signal.signal(signal.SIGUSR2, lambda signum, frame: scaler.on_signal(-1))
     try:
-        return _run_stack(args, sup, workers, gateway)
+        return _run_stack(args, sup, workers, gateway, scaler)
     finally:
-        sup.stop_all()
+        try:
+            sup.stop_all()
+        finally:
+            scaler.close()  # after the gateway: it would log its list files' going
+
+
+def _scaler(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec],
+            gateway: ChildSpec) -> tuple[Scaler, ChildSpec]:
+    """The control socket and the membership of a running `up`; without --config the gateway
+    then reads its workers from the run directory's list files."""
+    from pdserve import control
+    from pdserve.membership import gateway_on_list_files
+
+    directory = Path(args.run_dir).resolve() if args.run_dir else control.run_dir(args.grpc_port)
+    server = control.ControlServer(directory, answer_timeout_s=args.startup_timeout + 4 * args.grace_period)
+    refusal = "this pdserve up runs the deployments of --config, which keep their workers" if args.config else ""
+    scaler = Scaler(sup, workers, directory, server, args.startup_timeout, args.max_workers, refusal)
+    announce(f"control socket: {server.path} (pdserve scale)")
+    if args.config:
+        return scaler, gateway
+    scaler.write_lists()
+    return scaler, gateway_on_list_files(gateway, directory)
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags (or the --config file), checked before anything starts."""
     if args.prefill < 1 or args.decode < 1:
         return "--prefill and --decode need at least 1 worker each"
+    if not max(args.prefill, args.decode) <= args.max_workers:
+        return f"--prefill and --decode may be at most --max-workers ({args.max_workers})"
     if args.config:
         from gateway.experiments.serve_config import ExperimentConfigError, load_serve_config
 
@@ -316,7 +407,8 @@ def _check_gateway_settings(args: argparse.Namespace) -> None:
         check_max_model_len(settings.max_model_len, window)
 
 
-def _run_stack(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec], gateway: ChildSpec) -> int:
+def _run_stack(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec], gateway: ChildSpec,
+               scaler: Scaler) -> int:
     """Start the workers, then the gateway; print the ready line; supervise until a signal."""
     try:
         if not sup.wait_serving([_start_logged(sup, w) for w in workers], args.startup_timeout):
@@ -327,7 +419,7 @@ def _run_stack(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpe
         print(f"pdserve up: {err}", file=sys.stderr)
         return 1
     print(ready_line(args, workers, gateway), flush=True)
-    sup.watch()  # restarts children that die (RestartPolicy); returns once a signal asks to stop
+    sup.watch(scaler.tick)  # restarts children that die (RestartPolicy), scales; returns once a signal asks to stop
     print("pdserve up: stopping", file=sys.stderr)
     return 0
 

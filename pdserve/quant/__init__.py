@@ -15,7 +15,9 @@ Pieces, in the order data flows through them:
                 `quantize_w8a8`; per-module rules for mixed formats)
     int8_act    W8A8: INT8 weights with activations quantized per row or with calibrated scales,
                 multiplied by torch._int_mm (docs/quantization-activations.md)
-    int4_cpu    a GGUF's own Q4_0/Q4_1 codes packed for torch's CPU int4 kernel
+    int4_cpu    a GGUF's own Q4_0/Q4_1/Q4_K codes packed for torch's CPU int4 kernel
+    gguf_packed the GGUF's block codes parsed (Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K); 8-bit codes served as two
+                4-bit planes of the same kernel (`--weight-format packed`)
     qat         quantization-aware training with distillation (docs/qat.md)
     accuracy    KL / top-1 / perplexity / task score of a format against fp32 (pdserve quant-eval)
 

@@ -10,14 +10,17 @@ whole SmolLM2 decode step it wins up to 16 streams and loses a few percent at 32
 costs hide the matmuls), at a quarter of the memory: `--weight-format auto` takes it where the
 file's projections are 4-bit already and the compute is bf16/fp16 on a CPU.
 
-Codes come from the GGUF file itself where its tensors are Q4_0 / Q4_1 (llama.cpp's blocks of 32:
-w = d * (q - 8), resp. w = d * q + m), re-packed once at load: the same codes llama.cpp runs, with
-the scales rounded to the activation dtype. Other weights (Q8_0, K-quants, float) are quantized
-here by round-to-nearest over groups of 32 (asymmetric min/max), which adds error.
+Codes come from the GGUF file itself where its tensors are 4-bit (Q4_0, Q4_1, Q4_K: read by
+pdserve.quant.gguf_packed), re-packed once at load: the same codes llama.cpp runs, with the scales
+rounded to the activation dtype. Other weights (float; for `int4`, also Q8_0 and the other
+K-quants) are quantized here by round-to-nearest over groups of 32 (asymmetric min/max), which
+adds error. 8-bit and 5-bit codes (`--weight-format packed`) run as two 4-bit planes in one call
+(`Int4Codes.planes`, see gguf_packed).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,25 +31,28 @@ import torch.nn.functional as F
 
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
 # From this many rows on (a prefill chunk), dequantizing the weight and running a dense matmul beats
-# the kernel, whose cost grows with every row (about 2.3x a dense bf16 matmul's per row), while the
-# dequantization costs as much as 100-150 rows: crossover 128-192 rows on SmolLM2's shapes at 1 and
-# 2 threads; at 256 rows 1.4x faster, at 512 about 2x.
-DENSE_FROM_ROWS = 192
-_Q4_0, _Q4_1 = 2, 3  # GGMLQuantizationType values
+# the kernel, whose cost grows with every row (0.042 ms per row and SmolLM2 layer at 2 threads; two
+# planes, 8-bit codes: 0.085), while dequantizing in place then multiplying costs 3.0 ms + 0.017 per
+# row: crossover 112-128 rows for one plane, 40-56 for two (`python benchmarks/gguf_packed_bench.py
+# --crossover 32,48,64,96,128,160`, quiet machine).
+DENSE_FROM_ROWS = 128
+DENSE_FROM_ROWS_TWO_PLANES = 48
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Codes:
-    """A weight [N, K] as 4-bit codes: w[n, k] = (codes[n, k] - 8) * scale[n, g] + zero[n, g], g = k // 32."""
+    """A weight [N, K] as 4-bit codes in `planes` planes side by side along the inputs:
+    w[n, k] = sum_p (codes[n, pK + k] - 8) * scale[n, g_p] + zero[n, g_p], g_p = (pK + k) // 32."""
 
-    codes: torch.Tensor  # [N, K] uint8 in [0, 15]
-    scale: torch.Tensor  # [N, K / 32] float32
-    zero: torch.Tensor  # [N, K / 32] float32
+    codes: torch.Tensor  # [N, planes * K] uint8 in [0, 15]
+    scale: torch.Tensor  # [N, planes * K / 32] float32
+    zero: torch.Tensor  # [N, planes * K / 32] float32
     act_dtype: torch.dtype = torch.bfloat16  # what the layer multiplies them with
+    planes: int = 1  # 2: 8-bit codes u = 16 h + l as a high plane [h] and a low one [l]
 
     @property
     def shape(self) -> torch.Size:
-        return self.codes.shape
+        return torch.Size((self.codes.shape[0], self.codes.shape[1] // self.planes))
 
     def to(self, device: str | torch.device) -> Int4Codes:
         if torch.device(device).type != "cpu":
@@ -55,16 +61,17 @@ class Int4Codes:
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32."""
-        n, k = self.codes.shape
-        groups = (self.codes.float() - 8).view(n, k // GROUP, GROUP)
-        return (groups * self.scale[..., None] + self.zero[..., None]).view(n, k)
+        n, pk = self.codes.shape
+        groups = (self.codes.float() - 8).view(n, pk // GROUP, GROUP)
+        w = (groups * self.scale[..., None] + self.zero[..., None]).view(n, self.planes, pk // self.planes)
+        return w[:, 0] if self.planes == 1 else w.sum(dim=1)
 
     def rows(self, order: torch.Tensor) -> Int4Codes:
         """The same weight with its output rows reordered (`order`: [N] row indices)."""
-        return Int4Codes(self.codes[order], self.scale[order], self.zero[order], self.act_dtype)
+        return Int4Codes(self.codes[order], self.scale[order], self.zero[order], self.act_dtype, self.planes)
 
     def for_dtype(self, dtype: torch.dtype) -> Int4Codes:
-        return Int4Codes(self.codes, self.scale, self.zero, dtype)
+        return Int4Codes(self.codes, self.scale, self.zero, dtype, self.planes)
 
 
 def quantize_rtn(weight: torch.Tensor) -> Int4Codes:
@@ -79,115 +86,131 @@ def quantize_rtn(weight: torch.Tensor) -> Int4Codes:
 
 
 def codes_of_gguf_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Int4Codes | None:
-    """The codes of a Q4_0 / Q4_1 tensor from its raw blocks (None for any other type).
+    """The 4-bit codes of a Q4_0 / Q4_1 / Q4_K tensor from its raw blocks (None for any other type)."""
+    from pdserve.quant.gguf_packed import FOUR_BIT_TYPES, int4_codes, parse_blocks
 
-    Blocks of 32 weights along a row: Q4_0 = fp16 d + 16 bytes, Q4_1 = fp16 d + fp16 m + 16 bytes;
-    byte j holds weight j in its low nibble and weight j + 16 in its high one."""
-    if ggml_type not in (_Q4_0, _Q4_1):
-        return None
-    n, k = shape
-    head = 2 if ggml_type == _Q4_0 else 4
-    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, head + GROUP // 2)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    qs = torch.from_numpy(blocks[..., head:].copy())  # [N, G, 16]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(n, k)  # [N, K]
-    if ggml_type == _Q4_0:
-        return Int4Codes(codes, d, torch.zeros_like(d))
-    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    return Int4Codes(codes, d, m + 8 * d)  # d * q + m = (q - 8) * d + (m + 8 d)
+    return int4_codes(parse_blocks(raw, ggml_type, shape)) if ggml_type in FOUR_BIT_TYPES else None
 
 
 def read_gguf_codes(path: Path, names: dict[str, str]) -> dict[str, Int4Codes]:
-    """{HF name: codes} of the tensors of `names` ({GGUF name: HF name}) that are Q4_0 / Q4_1 in
-    the file; the rows are as the file stores them (undo llama.cpp's Q/K permutation after)."""
-    from gguf import GGUFReader
+    """{HF name: codes} of the tensors of `names` ({GGUF name: HF name}) that are 4-bit in the file
+    (Q4_0 / Q4_1 / Q4_K); the rows are as the file stores them (undo llama.cpp's Q/K permutation after)."""
+    from pdserve.quant.gguf_packed import int4_codes, read_packed
 
-    out = {}
-    for t in GGUFReader(path).tensors:
-        hf = names.get(t.name)
-        if hf is None:
-            continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        codes = codes_of_gguf_blocks(np.asarray(t.data), int(t.tensor_type), shape)
-        if codes is not None:
-            out[hf] = codes
-    return out
+    return {n: int4_codes(c) for n, c in read_packed(path, names)[0].items() if c.bits == 4}
 
 
 class Int4Linear:
     """y = x @ W^T (+ b) with W as packed 4-bit codes; x in `dtype` (bf16 or fp16), any row count.
 
-    Two packings of the same codes: the kernel's (opaque layout) for steps of few rows, and ours
-    (two codes a byte, columns 2j and 2j+1) to dequantize from for steps of `DENSE_FROM_ROWS` or
-    more. Both together, with one set of scales, are a little over half of the bf16 matrix's bytes."""
+    The kernel's packing (one byte per two codes) is the only copy of the codes where its layout is
+    the one `_kernel_layout_known` checks (output rows a multiple of 64): steps of `dense_from_rows`
+    rows or more dequantize the weight from it and run a dense matmul. Elsewhere a second packing of
+    ours (two codes a byte) is kept to dequantize from. Two planes (8-bit codes) run as one kernel
+    call on [x, x]: the kernel sums both planes' products in fp32."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype")
+                 "dtype", "planes", "dense_from_rows")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
-        n, k = codes.codes.shape
-        dtype = codes.act_dtype
-        if k % GROUP:
-            raise ValueError(f"int4 weights need input features divisible by {GROUP}, got {k}")
+        n, pk = codes.codes.shape
+        dtype, p = codes.act_dtype, codes.planes
+        if pk % (GROUP * p):
+            raise ValueError(f"int4 weights need input features divisible by {GROUP}, got {pk // p}")
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
-        # [K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
+        # [P K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
-        self.nibbles = codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4)  # [N, K / 2] uint8
-        self.scale = self.scales_and_zeros[..., 0].t()  # [N, K / 32] views: the kernel's rounded values
+        own = n % 64 or not _kernel_layout_known()
+        self.nibbles = codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4) if own else None  # [N, P K / 2] uint8
+        self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
         self.zero = self.scales_and_zeros[..., 1].t()
         self.bias = None if bias is None else bias.to(dtype)
-        self.out_features, self.in_features, self.dtype = n, k, dtype
+        self.out_features, self.in_features, self.dtype, self.planes = n, pk // p, dtype, p
+        self.dense_from_rows = DENSE_FROM_ROWS if p == 1 else DENSE_FROM_ROWS_TWO_PLANES
+        if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
+            raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
 
     @classmethod
     def fused(cls, parts: Sequence[Int4Codes], bias: torch.Tensor | None = None) -> Int4Linear:
-        """One linear whose outputs are the parts' outputs concatenated (fused q/k/v, gate/up)."""
+        """One linear whose outputs are the parts' outputs concatenated (fused q/k/v, gate/up); the
+        parts have the same number of planes."""
         return cls(Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                             torch.cat([p.zero for p in parts]), parts[0].act_dtype), bias)
+                             torch.cat([p.zero for p in parts]), parts[0].act_dtype, parts[0].planes), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
-        if x.shape[0] >= DENSE_FROM_ROWS:
+        if x.shape[0] >= self.dense_from_rows:
             return F.linear(x, self.dequantized(), self.bias)
-        y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_and_zeros)  # [N, out]
+        xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
+        y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
+
+    def codes_f32(self) -> torch.Tensor:
+        """The codes as float32 [N, K]: 4-bit ones, or (two planes) u = 16 h + l in [0, 255]."""
+        n, k = self.out_features, self.in_features
+        if self.nibbles is not None:
+            c = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], dim=-1).view(n, self.planes, k)
+            return (c[:, 0] if self.planes == 1 else (c[:, 0] << 4) | c[:, 1]).float()
+        # The kernel's layout: blocks of 64 rows, per input column 32 bytes, byte j holding row j
+        # (low nibble) and row 32 + j (high nibble).
+        v = self.packed.view(n // 64, self.planes * k, 32)
+        if self.planes == 1:
+            lo, hi = v & 0x0F, v >> 4
+        else:
+            h, l = v[:, :k], v[:, k:]
+            lo, hi = (h << 4) | (l & 0x0F), (h & 0xF0) | (l >> 4)
+        # [N / 64, 2, K, 32] -> rows in order; the float conversion does the transposing copy.
+        t = torch.stack([lo, hi], dim=1).transpose(2, 3)
+        return t.to(torch.float32, memory_format=torch.contiguous_format).view(n, k)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] in the activation dtype, from the codes and the kernel's scales."""
         n, k = self.out_features, self.in_features
-        codes = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], dim=-1).view(n, k // GROUP, GROUP)
+        codes = self.codes_f32().view(n, k // GROUP, GROUP)
         # In fp32, rounded once at the end, as the kernel does: both paths multiply the same weight.
-        w = (codes.float() - 8) * self.scale.float()[..., None] + self.zero.float()[..., None]
+        # In place: a fresh [N, K] fp32 temporary per step costs its page faults, more than the math.
+        if self.planes == 1:
+            w = codes.sub_(8).mul_(self.scale.float()[..., None]).add_(self.zero.float()[..., None])
+        else:  # (h - 8) 16 s + (l - 8) s + z = (u - 136) s + z, the high plane's zero being 0
+            g = k // GROUP
+            s, z = self.scale[:, g:].float(), self.zero[:, g:].float() + self.zero[:, :g].float()
+            w = codes.sub_(136).mul_(s[..., None]).add_(z[..., None])
         return w.view(n, k).to(self.dtype)
 
     @property
     def nbytes(self) -> int:
-        b = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
-        return (self.packed.numel() * self.packed.element_size() + self.nibbles.numel()
-                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size() + b)
+        ts = [self.packed, self.scales_and_zeros] + [t for t in (self.nibbles, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+@functools.cache
+def _kernel_layout_known() -> bool:
+    """Whether torch's int4 packing is the layout `Int4Linear.codes_f32` reads (checked once on
+    random codes; another torch or CPU build may pack differently, then a copy of ours is kept)."""
+    codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    v = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if v.dtype != torch.uint8 or v.numel() != codes.numel() // 2:
+        return False
+    v = v.view(2, 64, 32)
+    got = torch.stack([v & 0x0F, v >> 4], dim=1).transpose(2, 3).reshape(128, 64)
+    return torch.equal(got.to(torch.int32), codes)
 
 
 def weights_for(checkpoint, config) -> tuple[dict[str, torch.Tensor | Int4Codes], str]:
-    """(the weights an engine of `config` runs on `checkpoint`, "dense" or "int4"): --weight-format
-    resolved (auto: int4 when every projection is Q4_0/Q4_1 in the GGUF file and the compute is
-    bf16/fp16 on the CPU)."""
-    fmt, model = config.weight_format, checkpoint.config
-    gguf = checkpoint.source if checkpoint.source.suffix == ".gguf" else None
-    packable = config.dtype in ("bfloat16", "float16") and config.device.startswith("cpu")
-    if fmt == "dense" or (fmt == "auto" and (gguf is None or not packable)):
-        return checkpoint.weights, "dense"
-    names = model.arch.projection_names(model)
-    codes = read_gguf_codes(gguf, {model.arch.to_gguf(n): n for n in names}) if gguf else {}
-    if fmt == "auto" and len(codes) < len(names):
-        return checkpoint.weights, "dense"  # not a 4-bit file: packing would add quantization error
-    return pack_weights(checkpoint.weights, model, getattr(torch, config.dtype), codes), "int4"
+    """(the weights an engine of `config` runs on `checkpoint`, "dense", "int4" or "packed"):
+    --weight-format resolved by pdserve.quant.gguf_packed.weights_for."""
+    from pdserve.quant.gguf_packed import weights_for as resolve
+
+    return resolve(checkpoint, config)
 
 
 def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtype,
-                 from_file: dict[str, Int4Codes] | None = None) -> dict[str, torch.Tensor | Int4Codes]:
+                 from_file: dict[str, Int4Codes] | None = None,
+                 rtn_others: bool = True) -> dict[str, torch.Tensor | Int4Codes]:
     """`weights` with every projection (config.arch.projection_names) as 4-bit codes for `act_dtype`:
-    the file's own (`from_file`, read_gguf_codes: rows put back in HF order here, as the reader
-    does) where it has them, round-to-nearest of the float weight otherwise. Norms, embeddings and
-    the output head stay as they are."""
+    the file's own (`from_file`, read from the GGUF: rows put back in HF order here, as the reader
+    does) where it has them, round-to-nearest of the float weight otherwise (or, `rtn_others`
+    False, the float weight as it is). Norms, embeddings and the output head stay as they are."""
     from pdserve.runtime.gguf_reader import unpermute_rope_rows
 
     arch = config.arch
@@ -195,6 +218,8 @@ def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtyp
     for name in arch.projection_names(config):
         codes = (from_file or {}).get(name)
         if codes is None:
+            if not rtn_others:
+                continue
             codes = quantize_rtn(weights[name])
         else:
             heads = arch.gguf_permuted_heads(name, config)

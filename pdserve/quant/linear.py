@@ -6,7 +6,7 @@
   device with cupy, calls of up to `cuda_quant.MAX_ROWS` rows (decode) run the W8A16 / W4A16 kernel
   instead, which reads the packed words directly; more rows dequantize once and run a GEMM.
 - Int4Linear (pdserve.quant.int4_cpu): 4-bit codes packed for torch's CPU int4 kernel
-  (`--weight-format int4`).
+  (`--weight-format int4`), or 8-bit ones as two 4-bit planes (a GGUF's Q8_0 / Q5_K, gguf_packed).
 - W8A8Linear (pdserve.quant.int8_act): INT8 weights and INT8 activations (quantized per token, or
   with calibrated static scales) in an integer matmul.
 - ConcatLinear: parts whose outputs are concatenated, for fused q/k/v or gate/up that cannot be
@@ -154,7 +154,7 @@ def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] |
         return DenseLinear(torch.cat(list(weights), dim=0).contiguous(), bias)
     if all(isinstance(w, QuantizedWeight) for w in weights) and _same_layout(weights):
         return QuantLinear.of(weights, bias)
-    if all(isinstance(w, Int4Codes) for w in weights):
+    if all(isinstance(w, Int4Codes) for w in weights) and len({w.planes for w in weights}) == 1:
         return Int4Linear.fused(weights, bias)
     if fusable(weights):  # W8A8 parts with one input quantization (q/k/v observe the same input)
         return W8A8Linear.of(weights, bias)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.runtime import engine_metrics
 from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.sequence import Sequence
 
@@ -96,6 +97,7 @@ class BlockManager:
         plan = self._plan(seq)
         if plan.fresh > self.num_free_blocks - sum(1 for b in plan.shared if b is not None and b in self._cached):
             return None
+        engine_metrics.count_prefix_lookup(seq.num_tokens, sum(b is not None for b in plan.shared) * self.block_size)
         hashes = plan.hashes
         table, loads = [], []
         for bid in plan.shared:
@@ -150,6 +152,14 @@ class BlockManager:
             return False
         seq.block_table.extend(self._take() for _ in range(max(extra, 0)))
         return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Releases the blocks of `seq` past those `num_tokens` tokens need: slots of rejected draft
+        tokens (speculative decoding). They hold no computed token, so none is hashed."""
+        keep = self.blocks_for(num_tokens)
+        if len(seq.block_table) > keep:
+            self.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def take_blocks(self, count: int) -> list[int] | None:
         """Hands out `count` fresh blocks (ref 1 each), or None when there are not enough."""

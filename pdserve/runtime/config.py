@@ -12,10 +12,13 @@ KV_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
 # --dtype values: the compute dtype (weights and activations). "auto" is resolved once at start by
 # `resolve_compute_dtype`: bfloat16 on a GPU or where the CPU runs it natively, else float32.
 COMPUTE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-# --weight-format values: projections as dense float matrices, or as packed 4-bit codes on the CPU
-# (pdserve.quant.int4_cpu; bf16/fp16 compute only); auto: int4 when the GGUF file's projections are
-# 4-bit (Q4_0/Q4_1) and the compute runs in bf16/fp16 on the CPU, dense otherwise.
-WEIGHT_FORMATS = ("auto", "dense", "int4")
+# --weight-format values: projections as dense float matrices, or as the GGUF file's codes packed
+# for torch's CPU int4 kernel (bf16/fp16 compute only): int4 (Q4_0/Q4_1/Q4_K codes, pdserve.quant.int4_cpu)
+# or packed (also Q8_0/Q5_K as two 4-bit planes, Q6_K dequantized; pdserve.quant.gguf_packed);
+# auto: int4 when every projection is Q4_0/Q4_1, packed when all are packable, dense otherwise,
+# and only when the compute runs in bf16/fp16 on the CPU.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "packed")
+PACKED_WEIGHT_FORMATS = ("int4", "packed")
 
 
 class ConfigError(ValueError):
@@ -124,14 +127,14 @@ class EngineConfig:
     cuda_graph: bool = True
     # Compute dtype the weights were loaded in (a COMPUTE_DTYPE_NAMES value, resolved: not "auto").
     dtype: str = "float32"
-    # The layers' projections (WEIGHT_FORMATS): "dense", or "int4" codes packed for the CPU kernel
+    # The layers' projections (WEIGHT_FORMATS): "dense", or "int4"/"packed" codes for the CPU kernel
     # (the GGUF's own Q4_0/Q4_1 codes where it has them), or "auto". Read by Engine.from_checkpoint.
     weight_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"unknown weight format {self.weight_format!r} (one of {', '.join(WEIGHT_FORMATS)})")
-        if self.weight_format == "int4" and (self.dtype not in ("bfloat16", "float16")
-                                             or not self.device.startswith("cpu")):
-            raise ConfigError(f"--weight-format int4 runs on the CPU with --dtype bfloat16 or float16 (its kernel is "
-                              f"slow in float32), not --dtype {self.dtype} on {self.device}")
+        if self.weight_format in PACKED_WEIGHT_FORMATS and (self.dtype not in ("bfloat16", "float16")
+                                                            or not self.device.startswith("cpu")):
+            raise ConfigError(f"--weight-format {self.weight_format} runs on the CPU with --dtype bfloat16 or float16 "
+                              f"(its kernel is slow in float32), not --dtype {self.dtype} on {self.device}")

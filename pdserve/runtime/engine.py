@@ -7,6 +7,9 @@
         grammar thread while the model runs, go on the logits first; each sequence's GrammarMatcher
         consumes its token, and a complete grammar ends the sequence)
         ──▶ StepOutput per request (new tokens, finish reason); finished blocks freed.
+        (speculative decoding, `pdserve.runtime.speculative`: a decoding sequence may run its last
+        token plus prompt n-gram draft tokens; its rows are drawn in order and the drafts kept
+        while they equal the draws, `_verify`, so one step can emit several tokens)
 
 The engine owns every block reference: sequences' block tables, pins (`pdserve.runtime.pins`) and
 held prefills (finished, KV kept until exported). Nothing outside the engine thread changes them;
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.runtime import engine_metrics
 from pdserve.runtime.block_manager import BlockManager
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.grammar import GrammarCompiler, GrammarMatcher
@@ -33,10 +37,11 @@ from pdserve.runtime.kv_transfer import (ExportedBlock, KVFormatError, export_ca
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.pins import Owner, PinTable, request_owner
-from pdserve.runtime.sampler import sample
+from pdserve.runtime.sampler import is_plain_greedy, sample, sample_one, top_logprobs
 from pdserve.runtime.sampling_params import SamplingParams
-from pdserve.runtime.scheduler import Scheduler, SchedulerOutput
+from pdserve.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pdserve.runtime.sequence import ExternalKV, Sequence, SequenceStatus, TokenLogprob
+from pdserve.runtime.speculative import NgramProposer, SpeculativeConfig
 
 if TYPE_CHECKING:
     from pdserve.runtime.tokenizer import Tokenizer
@@ -111,11 +116,16 @@ class EngineStats:
     tokens_computed: int = 0  # tokens run through the model (prefill chunks + decodes)
     max_batch_size: int = 0
     batch_size_counts: dict[int, int] | None = None
+    # Speculative decoding: sequence-steps that verified a draft, draft tokens run, those accepted.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Engine:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], fingerprint: str,
-                 config: EngineConfig | None = None, tokenizer: Tokenizer | None = None) -> None:
+                 config: EngineConfig | None = None, tokenizer: Tokenizer | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model_config = model_config
         self.fingerprint = fingerprint
@@ -127,6 +137,7 @@ class Engine:
         self.block_manager = BlockManager(cache.num_blocks, self.kv_format)
         self.pins = PinTable(self.block_manager)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.pins)
+        self.set_speculative(speculative or SpeculativeConfig())  # sets self.speculative
         self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
         model = LlamaModel(model_config, weights, self.config.device)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
@@ -136,21 +147,28 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}  # queued or running
         self.held: dict[str, Sequence] = {}  # finished, KV kept until exported and released
         self.stats = EngineStats(batch_size_counts={})
-        self.weight_format = "dense"  # what the projections are ("int4": packed; set by from_checkpoint)
+        self.weight_format = "dense"  # what the projections are ("int4"/"packed": codes; set by from_checkpoint)
         self.keep_logits = False  # tests and debugging: keep the last step's logits
-        self.last_logits: torch.Tensor | None = None  # [S, V], rows in the order of step()'s outputs
+        # [R, V], rows in the order of step()'s outputs (1 + len(draft) rows for a speculative one)
+        self.last_logits: torch.Tensor | None = None
 
     @classmethod
-    def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None, fingerprint: str | None = None) -> "Engine":
+    def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None, fingerprint: str | None = None,
+                        speculative: SpeculativeConfig | None = None) -> "Engine":
         """An engine on `checkpoint`'s weights, its projections packed as `config.weight_format` says."""
         from pdserve.quant.int4_cpu import weights_for
 
         config = config or EngineConfig()
         weights, weight_format = weights_for(checkpoint, config)
         engine = cls(checkpoint.config, weights, fingerprint or checkpoint.fingerprint, config,
-                     tokenizer=checkpoint.tokenizer)
+                     tokenizer=checkpoint.tokenizer, speculative=speculative)
         engine.weight_format = weight_format
         return engine
+
+    def set_speculative(self, config: SpeculativeConfig) -> None:
+        """Turns prompt n-gram speculation on (config.num_tokens > 0) or off, from the next step."""
+        self.speculative = config
+        self.scheduler.proposer = NgramProposer(config) if config.enabled else None
 
     # ---- requests -------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -298,16 +316,65 @@ class Engine:
         if out.is_empty:
             return []
         self._admitted(out)
-        sampling = [s.seq for s in out.scheduled if s.samples]  # logits rows, in order
-        masks = self._masks(sampling)  # computed on another thread while the model runs
-        logits = self.runner.run(out)  # [S, V]
+        sampling = [s for s in out.scheduled if s.samples]  # logits rows, in order
+        seqs = [s.seq for s in sampling]
+        masks = self._masks(seqs)  # computed on another thread while the model runs
+        logits = self.runner.run(out)  # [R, V]: a row per sampling sequence, 1 + len(draft) if speculative
         if self.keep_logits:
             self.last_logits = logits
         self._advance(out)
         self._record_batch(len(out.scheduled))
         self.stats.tokens_computed += sum(s.num_new_tokens for s in out.scheduled)
-        results = sample(logits, sampling, masks.result() if masks is not None else None)
-        return [self._postprocess(seq, tok, lp) for seq, (tok, lp) in zip(sampling, results)]
+        allowed = masks.result() if masks is not None else None  # [S, V]
+        if not any(s.draft for s in sampling):
+            results = sample(logits, seqs, allowed)
+            return [self._postprocess(seq, tok, lp) for seq, (tok, lp) in zip(seqs, results)]
+        return self._postprocess_speculative(sampling, logits, allowed)
+
+    def _postprocess_speculative(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+                                 allowed: torch.Tensor | None) -> list[StepOutput]:
+        """logits: [R, V], each sampling sequence's 1 + len(draft) rows in order; allowed: [S, V]."""
+        outputs, row = [], 0
+        for j, s in enumerate(sampling):
+            rows = logits[row:row + 1 + len(s.draft)]
+            row += len(rows)
+            if s.draft:
+                outputs.append(self._verify(s, rows))
+            else:
+                mask = allowed[j:j + 1] if allowed is not None else None
+                outputs.append(self._postprocess(s.seq, *sample(rows, [s.seq], mask)[0]))
+        return outputs
+
+    def _verify(self, s: ScheduledSeq, rows: torch.Tensor) -> StepOutput:
+        """rows: [1 + D, V], the logits after the last token and after each of the D draft tokens.
+        Each position's token is drawn as plain decoding would draw it (its seeded generator, the
+        penalties over the tokens accepted before it); a draft token is kept while it equals the
+        draw (for a delta draft that is rejection sampling: see pdserve.runtime.speculative), and
+        the first draw that differs, or the one after the whole draft, ends the step's tokens."""
+        seq, draft, params = s.seq, s.draft, s.seq.params
+        argmax = rows.argmax(dim=-1).tolist() if is_plain_greedy(params) else None  # rows do not interact
+        tokens, lps, reason, accepted = [], [], "", 0
+        for i in range(len(draft) + 1):
+            token = argmax[i] if argmax is not None else sample_one(rows[i], seq)
+            lp = top_logprobs(torch.log_softmax(rows[i], dim=-1), token, params.logprobs) if params.logprobs else None
+            reason = self._append(seq, token, lp)
+            tokens.append(token)
+            if lp is not None:
+                lps.append(lp)
+            if i == len(draft) or token != draft[i]:
+                break
+            accepted += 1
+            seq.num_computed_tokens += 1  # the draft token's KV, computed this step, is the sequence's now
+            if reason:
+                break
+        st = self.stats
+        st.spec_verifies, st.spec_draft_tokens, st.spec_accepted_tokens = (
+            st.spec_verifies + 1, st.spec_draft_tokens + len(draft), st.spec_accepted_tokens + accepted)
+        engine_metrics.count_speculation(len(draft), accepted)
+        if not reason:
+            self.block_manager.trim(seq, seq.num_tokens)  # the rejected drafts' slots
+            self.block_manager.commit_full_blocks(seq)  # blocks the accepted drafts filled
+        return self._output(seq, tokens, lps, reason)
 
     def _admitted(self, out: SchedulerOutput) -> None:
         """KV from elsewhere into the blocks the scheduler gave it; the pins the admitted sequences
@@ -319,9 +386,9 @@ class Engine:
             self.pins.claim(seq.block_hashes)
 
     def _advance(self, out: SchedulerOutput) -> None:
-        """Marks the step's tokens computed."""
+        """Marks the step's tokens computed (draft tokens only once verified, in `_verify`)."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft)
             self.block_manager.commit_full_blocks(s.seq)
 
     def _masks(self, sampling: list[Sequence]) -> Future[torch.Tensor] | None:
@@ -336,6 +403,10 @@ class Engine:
                                             [eos if s.params.ignore_eos else () for s in sampling])
 
     def _postprocess(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> StepOutput:
+        return self._output(seq, [token], [lp] if lp else [], self._append(seq, token, lp))
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> str:
+        """Appends one generated token; returns the finish reason it causes ("" when none)."""
         seq.output_ids.append(token)
         if seq.grammar is not None and not seq.grammar.consume(token):
             # Sampled under its mask, so this is an llguidance failure: the matcher is in its error
@@ -345,15 +416,17 @@ class Engine:
         if lp is not None:
             seq.logprobs.append(lp)
         self.stats.tokens_generated += 1
-        reason = self._finish_reason(seq, token)
+        return self._finish_reason(seq, token)
+
+    def _output(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprob], reason: str) -> StepOutput:
+        """The step's output of `seq`; ends it when `reason` says so."""
         ends = bool(reason) or seq.hold_blocks  # a held (prefill-role) request ends after one token
         if ends:
             self.scheduler.finish(seq, reason, free_blocks=not seq.hold_blocks)
             self.seqs.pop(seq.request_id, None)
             if seq.hold_blocks:
                 self.held[seq.request_id] = seq
-        return StepOutput(seq.request_id, [token], [lp] if lp else [], ends, reason,
-                          len(seq.prompt_ids), seq.num_cached_tokens)
+        return StepOutput(seq.request_id, tokens, lps, ends, reason, len(seq.prompt_ids), seq.num_cached_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str:
         p = seq.params

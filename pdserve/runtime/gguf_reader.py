@@ -3,9 +3,10 @@
 Architectures: the specs of `runtime.arch` with a GGUF name, ``llama`` (Llama 1/2/3 without RoPE
 scaling, Mistral, SmolLM: llama.cpp writes them all as "llama") and ``qwen2`` (q/k/v biases); the
 spec maps GGUF tensor names onto HF ones and says whose Q/K rows llama.cpp permuted. Tensor types:
-`SUPPORTED_TYPES`, dequantized by the `gguf` package into the requested dtype (keeping them packed
-is not done yet). Anything else is refused with a one-line `ModelLoadError` that names the file
-and what is unsupported.
+`SUPPORTED_TYPES`, dequantized by the `gguf` package into the requested dtype (the engine may keep
+the projections' codes packed instead: pdserve.quant.gguf_packed re-reads them). Anything else, and
+a block type's data that is not whole blocks, is refused with a one-line `ModelLoadError` that
+names the file and the problem.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from pdserve.quant.gguf_packed import PackedFormatError, check_blocks
 from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_gguf
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
@@ -183,6 +185,10 @@ def read_weights(path: Path, reader: GGUFReader, config: ModelConfig,
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported GGML type {t.tensor_type.name} "
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+        try:  # a block type's data must be whole blocks of the right size: else gguf's numpy errors
+            check_blocks(int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), t.data.nbytes)
+        except PackedFormatError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from e
         w = _to_torch(t).to(dtype)
         heads = spec.gguf_permuted_heads(name, config)
         if heads is not None:

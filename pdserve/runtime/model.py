@@ -28,6 +28,10 @@ from pdserve.runtime.kernels import get_kernels, torch_ops
 
 # (layer index, q [N, H, hd], k [N, KVH, hd], v [N, KVH, hd]) -> attention output [N, H, hd].
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Sums a row-parallel projection's partial output [N, D] over the tensor-parallel ranks (in place
+# or not); None on one rank. The only thing tensor parallelism changes inside a layer
+# (pdserve.runtime.parallel).
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +46,20 @@ class LayerContext:
     split: tuple[int, int, int]  # widths of q, k, v in the fused qkv output
     cos: torch.Tensor  # [max_positions, hd]
     sin: torch.Tensor  # [max_positions, hd]
+    all_reduce: AllReduce | None = None  # after o and down, when the layer is one rank's shard
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_reduce is None else self.all_reduce(x)
 
 
-def layer_context(config: ModelConfig, kernels: ModuleType, device: str | torch.device = "cpu") -> LayerContext:
-    """The shared part of `config`'s layers, RoPE tables on `device`."""
+def layer_context(config: ModelConfig, kernels: ModuleType, device: str | torch.device = "cpu",
+                  all_reduce: AllReduce | None = None) -> LayerContext:
+    """The shared part of `config`'s layers, RoPE tables on `device`. A tensor-parallel rank passes
+    its shard's config (its heads, its part of the MLP) and the group's `all_reduce`."""
     cos, sin = torch_ops.rope_cos_sin(config.head_dim, config.max_position_embeddings, config.rope_theta)
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return LayerContext(kernels, config.rms_norm_eps, config.num_heads, config.num_kv_heads, config.head_dim,
-                        (q, kv, kv), cos.to(device), sin.to(device))
+                        (q, kv, kv), cos.to(device), sin.to(device), all_reduce)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +95,8 @@ class DecoderLayer:
         value = value.view(n, c.num_kv_heads, c.head_dim)
         q, key = k.apply_rope(q, key, positions, c.cos, c.sin)
         out = attend(self.index, q, key, value)  # [N, H, hd]
-        hidden, residual = k.add_rms_norm(self.o(out.view(n, -1)), residual, self.post_norm, c.eps)
-        return self.down(k.silu_and_mul(self.gate_up(hidden))), residual
+        hidden, residual = k.add_rms_norm(c.reduce(self.o(out.view(n, -1))), residual, self.post_norm, c.eps)
+        return c.reduce(self.down(k.silu_and_mul(self.gate_up(hidden)))), residual
 
 
 def site_linear(config: ModelConfig, w: dict, i: int, site: LinearSite) -> Linear:
@@ -162,8 +172,11 @@ def dense_forward(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     """Stateless forward: the KV cache and the step's metadata are passed in."""
 
-    def __init__(self, config: ModelConfig, weights: dict, device: str = "cpu") -> None:
-        """weights: HF names -> tensors, or `QuantizedWeight`s for quantized projections."""
+    def __init__(self, config: ModelConfig, weights: dict, device: str = "cpu",
+                 all_reduce: AllReduce | None = None) -> None:
+        """weights: HF names -> tensors, or `QuantizedWeight`s for quantized projections. A
+        tensor-parallel rank (pdserve.runtime.parallel) passes its shard's config and weights and
+        the group's `all_reduce`."""
         self.config = config
         self.kernels = get_kernels(device)
         arch = config.arch
@@ -171,7 +184,7 @@ class LlamaModel:
         self.embed = w[arch.global_name("embed")]  # [V, D]
         self.lm_head = w.get(arch.global_name("lm_head"), self.embed)  # [V, D]
         self.final_norm = w[arch.global_name("final_norm")]  # [D]
-        ctx = layer_context(config, self.kernels, device)
+        ctx = layer_context(config, self.kernels, device, all_reduce)
         self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
@@ -180,12 +193,16 @@ class LlamaModel:
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [N] -> final hidden states [N, D]; writes the step's KV."""
         attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
-        hidden = F.embedding(input_ids, self.embed)  # [N, D]
+        hidden = self.embed_tokens(input_ids)  # [N, D]
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, attend)
         hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [N] -> embeddings [N, D] (a vocabulary-parallel rank overrides it)."""
+        return F.embedding(input_ids, self.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, D] -> logits [S, V] in fp32."""

@@ -31,7 +31,8 @@ class ModelRunner:
         return True
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Runs one step; returns logits [S, V] for the scheduled sequences that sample."""
+        """Runs one step; returns logits [R, V]: a row for each scheduled sequence that samples, in
+        order, 1 + len(draft) rows for a speculative one (after its last token and each draft token)."""
         if self.graphs is not None and out.decodes and not out.prefills and self.graphs.fits(len(out.decodes)):
             return self.graphs.run(self._decode_batch(out.decodes))  # every decode row samples
         input_ids, positions, meta, sample_rows = self._prepare(out)
@@ -45,11 +46,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         for s in out.decodes + out.prefills:
             start = s.seq.num_computed_tokens
-            ids.extend(s.seq.token_ids[start:start + s.num_new_tokens])
+            ids.extend(s.seq.token_ids[start:start + s.num_new_tokens - len(s.draft)])
+            ids.extend(s.draft)
             pos.extend(range(start, start + s.num_new_tokens))
             slots.extend(self._slots(s, start))
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
+            if s.samples:  # a speculative chunk samples at its last token and after each draft token
+                sample_rows.extend(range(len(ids) - 1 - len(s.draft), len(ids)))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(out.decodes),

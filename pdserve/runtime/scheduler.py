@@ -6,6 +6,10 @@ and budget last. Out of blocks, the newest running sequence is preempted by reco
 its blocks are freed and it waits again (its full blocks usually stay cached, so the
 recompute mostly hits the prefix cache).
 
+With a draft proposer (speculative decoding, `pdserve.runtime.speculative`), a decoding sequence
+may run its last token plus draft tokens as one chunk, while few sequences run and the budget and
+free blocks allow it: a draft never preempts anyone.
+
 A waiting sequence holds no blocks. Admitting one allocates all its blocks at once, bringing in
 the KV it carries from elsewhere (`Sequence.external`): the loads go out in the SchedulerOutput
 for the engine to copy before the step runs, the way vLLM's scheduler asks its KV connector for
@@ -19,21 +23,24 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.runtime import engine_metrics
 from pdserve.runtime.block_manager import BlockLoad, BlockManager
 from pdserve.runtime.config import SchedulerConfig
 from pdserve.runtime.pins import PinTable
 from pdserve.runtime.sequence import Sequence, SequenceStatus
+from pdserve.runtime.speculative import NgramProposer
 
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step (query length)
+    num_new_tokens: int  # tokens computed this step (query length), the draft's included
+    draft: tuple[int, ...] = ()  # speculative tokens after the last one, verified by this step
 
     @property
     def samples(self) -> bool:
         """The step reaches the sequence's last token, so its logits pick the next one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(slots=True)
@@ -54,10 +61,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, pins: PinTable | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, pins: PinTable | None = None,
+                 proposer: NgramProposer | None = None) -> None:
         self.config = config
         self.blocks = block_manager
         self.pins = pins  # holds that give way to an admission short of blocks
+        self.proposer = proposer  # drafts for speculative decoding; None: off
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -78,6 +87,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, n, budget)
+            if draft:  # the last token and the draft as one chunk: the chunked-prefill path
+                out.prefills.append(ScheduledSeq(seq, 1 + len(draft), draft))
+                budget -= 1 + len(draft)
+                i += 1
+                continue
             while not self.blocks.ensure_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -90,6 +105,24 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _draft(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding `seq`, their slots taken; () when it does not speculate now."""
+        spec = self.proposer
+        if spec is None or n != 1 or seq.num_tokens - seq.num_computed_tokens != 1 \
+                or not spec.allows(len(self.running) + len(self.waiting)):
+            return ()
+        # Past max_tokens a draft could only be cut: the last emitted token is always a drawn one.
+        draft = spec.propose(seq, min(budget - 1, seq.params.max_tokens - len(seq.output_ids) - 1))
+        if not draft:
+            return ()
+        extra = self.blocks.blocks_for(seq.num_computed_tokens + 1 + len(draft)) - len(seq.block_table)
+        # Headroom of a block per running sequence, so that a guess never makes anyone wait or preempt.
+        if extra > 0 and self.blocks.num_free_blocks - extra < len(self.running):
+            return ()
+        if not self.blocks.ensure_slots(seq, seq.num_computed_tokens + 1 + len(draft)):
+            return ()
+        return draft
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -123,6 +156,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+        engine_metrics.count_preemptions()
 
     def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
         """Ends `seq` (finished or aborted) and returns its blocks unless told to keep them."""

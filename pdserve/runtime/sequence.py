@@ -13,6 +13,7 @@ from pdserve.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.runtime.grammar import GrammarMatcher
+    from pdserve.runtime.speculative import NgramIndex
 
 
 class SequenceStatus(enum.Enum):
@@ -58,6 +59,8 @@ class Sequence:
     # Structured output: where the generated tokens are in the grammar (advanced over every one,
     # those generated before a resume and a prefill's first token included); None: unconstrained.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: the n-gram index of its tokens the draft proposer keeps (built lazily).
+    draft_index: NgramIndex | None = None
 
     def generator(self) -> torch.Generator | None:
         """RNG of the next token when seeded: a function of (seed, position) only, so a request
