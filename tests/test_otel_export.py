@@ -157,8 +157,12 @@ def run() -> Iterator[dict]:
         def complete() -> list[dict]:
             rows = [r for r in collected.snapshot() if r["trace_id"] == trace_id]
             seen = {(r["service"], r["name"]) for r in rows}
-            # the decode server span ends after the gateway cancels the finished stream
-            want = {("gateway", "gateway.request"), ("decode", "/pdserve.v1.DecodeWorker/Decode"),
+            # Every span the tests below look at: each process exports in its own batches, and the
+            # Decode spans (client and server) end only after the gateway cancels the finished stream.
+            want = {("gateway", "gateway.request"), ("gateway", "POST /v1/chat/completions"),
+                    ("gateway", "/pdserve.v1.PrefillWorker/Prefill"), ("gateway", "/pdserve.v1.DecodeWorker/Decode"),
+                    ("prefill", "/pdserve.v1.PrefillWorker/Prefill"), ("prefill", "/pdserve.v1.KVStore/PutBlocks"),
+                    ("decode", "/pdserve.v1.DecodeWorker/Decode"), ("decode", "/pdserve.v1.KVStore/GetBlocks"),
                     ("kvstore", "/pdserve.v1.KVStore/GetBlocks"), ("kvstore", "/pdserve.v1.KVStore/PutBlocks")}
             return rows if want <= seen else []
         rows = wait_until(complete, timeout_s=30)

@@ -136,19 +136,18 @@ def test_a_short_drain_deadline_hands_streams_over_mid_answer(stack, reference):
     """Deadline 0: the streams still running are handed over at once (after their write-backs)
     and resume on the other worker; every one equals the reference."""
     ref, _ = reference
-    # Both decode workers start afresh, the victim with deadline 0. Both cold: a worker that kept
-    # its paged cache would draw every stream (routing credits resident prefixes), none the victim.
+    # Both decode workers start afresh with deadline 0, and the one that draws more streams is
+    # stopped: routing credits resident prefixes, so which one that is is the router's choice.
     for name in ("decode-0", "decode-1"):
         if stack.child(name).proc.poll() is None:
             stack.kill(name)
-    victim = "decode-1"
-    child = stack.child(victim)
-    child.spec = replace(child.spec, env=(*child.spec.env, (DRAIN_TIMEOUT_ENV, "0")))
-    for name in ("decode-0", "decode-1"):
+        child = stack.child(name)
+        child.spec = replace(child.spec, env=(*child.spec.env, (DRAIN_TIMEOUT_ENV, "0")))
         stack.restart(name)
     _await_decode_healthy(stack, 2)
     streams = Streams(stack, 32, HANDOVER_TOKENS)
     streams.wait_progress(16)
+    victim, _ = _busier(stack)
     running = _running(stack, victim)
     assert running >= 4, f"{victim} runs {running} streams"  # mid-answer there
     took = _exit_after_sigterm(stack, victim, HANDOVER_S + STOP_GRACE_S + 30)
