@@ -16,7 +16,7 @@ from pdserve.runtime.kv_cache import allocate_kv_cache
 from pdserve.runtime.parallel.group import ParallelConfig
 from pdserve.runtime.parallel.launch import attach
 from pdserve.runtime.parallel.pp_model import StageModel, serve_stage
-from tp_threads import BARRIER_S, ThreadGroup
+from tp_threads import BARRIER_S, ThreadGroup, closer
 
 
 class _Sent:
@@ -77,10 +77,4 @@ def threaded_pp_engine(checkpoint, config, stages: int, micro_batches: int = 0, 
                               micro_batches=micro_batches, micro_batch_rows=1)
     channel, _ = attach(engine, weights, groups[0], parallel)
 
-    def close() -> None:
-        channel.close()
-        for t in threads:
-            t.join(timeout=BARRIER_S)
-        assert not any(t.is_alive() for t in threads)
-
-    return engine, close
+    return engine, closer(channel, threads)

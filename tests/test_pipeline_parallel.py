@@ -8,10 +8,7 @@ loop with the ranks as threads (tests/pp_threads.py)."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import time
 
 import pytest
 import torch
@@ -27,8 +24,8 @@ from pdserve.runtime.parallel.sharding import ShardingError
 from pdserve.runtime.parallel.stages import check_stages, stage_costs, stage_ranges
 from pdserve.runtime.sampling_params import SamplingParams
 from pp_threads import threaded_pp_engine
-from test_tensor_parallel import CONFIG, assert_same_run, checkpoint_dir, decode_with, prefill_blocks, prompts
-from waiting import wait_until
+from test_tensor_parallel import (CONFIG, assert_a_killed_rank_fails_the_next_step, assert_same_run, checkpoint_dir,
+                                  decode_with, prefill_blocks, prompts)
 
 TIMEOUT_S = 20.0  # collectives; a dead stage fails them at once, this bounds a hung one
 LAYERS = 3  # over 2 stages: layers [0, 2) and [2, 3) (the last stage also runs the head)
@@ -170,15 +167,5 @@ def test_kv_blocks_move_from_tp2_x_pp2_to_tp1_and_back(llama_dir, pp1):
 def test_a_killed_stage_fails_the_next_step_at_once_and_no_stage_is_left(pp2):
     """Last: it kills the module's PP-2 engine (its last stage, rank 1)."""
     engine, handle = pp2
-    exits: list[tuple[int, int]] = []
-    handle.ranks.watch(lambda rank, code: exits.append((rank, code)))
-    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    engine.step()
-    os.kill(handle.ranks.pids[0], signal.SIGKILL)
-    assert wait_until(lambda: exits, timeout_s=10) == [(1, -signal.SIGKILL)]
-    start = time.monotonic()
-    with pytest.raises(RuntimeError):
-        while engine.has_unfinished():
-            engine.step()
-    assert time.monotonic() - start < TIMEOUT_S / 2  # the closed socket, not the timeout
+    assert_a_killed_rank_fails_the_next_step(engine, handle)
     engine.abort("a")

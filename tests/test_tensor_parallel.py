@@ -196,9 +196,9 @@ def test_kv_blocks_move_between_degrees_in_the_canonical_layout(llama_dir, tp1, 
     dst.check_leaks()
 
 
-def test_a_killed_rank_fails_the_next_step_at_once_and_no_rank_is_left(tp2):
-    """Last: it kills the module's TP-2 engine."""
-    engine, handle = tp2
+def assert_a_killed_rank_fails_the_next_step(engine: Engine, handle) -> None:
+    """SIGKILL rank 1 of `engine` mid-request: its exit is seen, and the next step fails at once
+    (the closed socket), well before the collective timeout."""
     exits: list[tuple[int, int]] = []
     handle.ranks.watch(lambda rank, code: exits.append((rank, code)))
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
@@ -210,4 +210,10 @@ def test_a_killed_rank_fails_the_next_step_at_once_and_no_rank_is_left(tp2):
         while engine.has_unfinished():
             engine.step()
     assert time.monotonic() - start < TIMEOUT_S / 2  # the closed socket, not the timeout
+
+
+def test_a_killed_rank_fails_the_next_step_at_once_and_no_rank_is_left(tp2):
+    """Last: it kills the module's TP-2 engine."""
+    engine, handle = tp2
+    assert_a_killed_rank_fails_the_next_step(engine, handle)
     engine.abort("a")

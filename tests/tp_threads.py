@@ -77,10 +77,14 @@ def threaded_tp_engine(checkpoint, config, size: int) -> tuple[Engine, callable]
         t.start()
     channel, _ = attach(engine, weights, groups[0], ParallelConfig(size, BARRIER_S))
 
+    return engine, closer(channel, threads)
+
+
+def closer(channel, threads: list[threading.Thread]):  # -> the close() of a threaded engine
+    """Closes rank 0's channel (the other ranks' loops then end) and checks every rank thread ended."""
     def close() -> None:
         channel.close()
         for t in threads:
             t.join(timeout=BARRIER_S)
         assert not any(t.is_alive() for t in threads)
-
-    return engine, close
+    return close
