@@ -109,14 +109,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def build_engine(args: argparse.Namespace):
-    """Loads the checkpoint named by the flags and builds an Engine on it."""
+def build_engine(args: argparse.Namespace, set_threads: bool = True):
+    """Loads the checkpoint named by the flags and builds an Engine on it; with `set_threads`,
+    torch's process-wide thread count becomes --threads first (a worker sets its threads itself:
+    pdserve.runtime.compute_threads)."""
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import compute_fingerprint, load_checkpoint, resolve_model_path
 
     import torch
 
-    if args.threads:
+    if args.threads and set_threads:
         torch.set_num_threads(args.threads)
     config = engine_config_from_args(args)
     checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, config.dtype))
@@ -125,14 +127,14 @@ def build_engine(args: argparse.Namespace):
     return engine, checkpoint
 
 
-def build_worker_engine(args: argparse.Namespace, collective_timeout_s: float = 30.0):
+def build_worker_engine(args: argparse.Namespace, collective_timeout_s: float = 30.0, set_threads: bool = True):
     """A worker's engine: `build_engine`'s, or with --tensor-parallel-size N > 1 (or
     --pipeline-parallel-size M > 1) rank 0's of N (M) (pdserve.runtime.parallel; the other ranks
     started here). Returns (Engine, the group's TensorParallelHandle or None); ShardingError when
     N or M does not split the model, ConfigError for both above 1."""
     size, stages = getattr(args, "tensor_parallel_size", 1), getattr(args, "pipeline_parallel_size", 1)
     if size == 1 and stages == 1:
-        return build_engine(args)[0], None
+        return build_engine(args, set_threads)[0], None
     from pdserve.runtime.loader import compute_fingerprint, resolve_model_path
     from pdserve.runtime.parallel.group import ParallelConfig
     from pdserve.runtime.parallel.launch import tensor_parallel_engine

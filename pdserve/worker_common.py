@@ -187,11 +187,15 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
     # Only the engine: the checkpoint's own weight tensors are not kept (214 MB of a fp32 SmolLM2
     # worker's RSS when held for the worker's life).
     from pdserve.engine_args import build_worker_engine
+    from pdserve.runtime import compute_threads
     from pdserve.runtime.config import ConfigError
     from pdserve.runtime.parallel.launch import serve_with_ranks
 
+    # Only the engine thread runs parallel torch ops (why: pdserve.runtime.compute_threads).
+    threads = compute_threads.one_thread_by_default(args.threads)
     try:
-        engine, ranks = build_worker_engine(args, config.collective_timeout_s)
+        engine, ranks = compute_threads.run_claimed(threads, build_worker_engine, args, config.collective_timeout_s,
+                                                    False)
     except ConfigError as err:  # a degree that does not split the model, flags that contradict
         raise SystemExit(f"pdserve worker: {err}") from None
     if ranks is not None:  # a rank that exits takes this worker down; they stop when it does
@@ -200,7 +204,7 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
              engine.weight_format, engine.kv_format.kv_dtype, engine.config.cache.num_blocks,
              engine.kv_format.block_size)
     aengine = AsyncEngine(engine, batch_window_s=config.batch_window_s,
-                          max_streams=args.max_waiting + args.max_batch_size).start()
+                          max_streams=args.max_waiting + args.max_batch_size, threads=threads).start()
     if config.engine_fault_after_steps:
         aengine.inject_fault_for_tests(config.engine_fault_after_steps)
     worker_id = config.worker_id or f"{socket.gethostname()}:{config.bind.rsplit(':', 1)[-1]}"

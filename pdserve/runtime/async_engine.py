@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 import torch
 
 from pdserve import telemetry
-from pdserve.runtime import engine_metrics
+from pdserve.runtime import compute_threads, engine_metrics
 from pdserve.runtime.engine import AddRequest, Engine, EngineLoad, QueueFullError, RequestError, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.runtime.pins import Owner
@@ -85,8 +85,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, batch_window_s: float = 0.002, max_streams: int | None = None) -> None:
+    def __init__(self, engine: Engine, batch_window_s: float = 0.002, max_streams: int | None = None,
+                 threads: int | None = None) -> None:
+        """threads: torch CPU threads the engine thread claims for itself (a worker process, whose
+        other threads run torch single-threaded: pdserve.runtime.compute_threads); None leaves
+        the process's count."""
         self.engine = engine
+        self.threads = threads
         self.batch_window_s = batch_window_s
         self.max_streams = max_streams  # None: only the engine's waiting queue bounds requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -295,6 +300,8 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        if self.threads:
+            compute_threads.claim(self.threads)
         while not self._stopping:
             was_idle = not self.engine.has_unfinished()
             if was_idle:

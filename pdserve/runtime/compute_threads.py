@@ -1,0 +1,72 @@
+"""In a worker process, one thread runs torch's parallel CPU ops: the engine thread.
+
+Why. torch's CPU ops run on OpenMP (libgomp in the CPU wheels). libgomp gives every thread that
+starts a parallel region a team of its own, and once the process holds more OpenMP threads than it
+has cores, it cuts the time an idle team member spins before it sleeps from 300,000 iterations to
+100. A decode step is about 2,000 small parallel regions (30 layers x some 70 ops), and each then
+pays a futex wake-up. A worker loaded its model on the main thread (one team), stepped the engine
+on the engine thread (a second) and decoded KV blocks in `asyncio.to_thread` workers (more): one
+SmolLM2 decode step took 24 ms there against 11 ms on a benchmark's main thread (bf16, int4,
+batch 1, 2 cores).
+
+So a worker sets torch's process-wide thread count to 1 before it runs any op, which gives every
+thread a team of one (no OpenMP threads beside it), and raises only the engine thread's own count
+(OpenMP's per-thread `nthreads` setting, through threadpoolctl) to the configured number. The
+model loads on a short-lived thread that claims the same count; libgomp frees a thread's team when
+the thread exits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from threadpoolctl import threadpool_limits
+
+T = TypeVar("T")
+
+
+def default_threads() -> int:
+    """The cores this process may run on (torch's own default count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def one_thread_by_default(threads: int) -> int:
+    """Sets the process-wide torch count to 1 and returns the count the engine thread should claim:
+    `threads`, or all cores for 0."""
+    claimed = threads or default_threads()
+    torch.set_num_threads(1)
+    return claimed
+
+
+def claim(threads: int) -> None:
+    """Gives the calling thread `threads` OpenMP threads for its torch ops, other threads unchanged."""
+    # torch sets a thread's OpenMP count from the process-wide one at the thread's first op (a
+    # thread-local lazy init); run it first, or it would undo the raise below.
+    torch.get_num_threads()
+    threadpool_limits(threads, user_api="openmp")
+
+
+def run_claimed(threads: int, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) on a new thread that claims `threads`, joined; its result, or its exception raised here."""
+    box: dict[str, object] = {}
+
+    def body() -> None:
+        claim(threads)
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+            box["error"] = exc
+
+    worker = threading.Thread(target=body, name="engine-load")
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
