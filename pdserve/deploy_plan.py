@@ -29,12 +29,11 @@ def _address() -> str:
     return f"{LOOPBACK}:{free_port()}"
 
 
-def deployment_children(args: argparse.Namespace, dep: DeploymentConfig) -> list[ChildSpec]:
-    """The kvstore, prefill and decode workers of one deployment."""
+def deployment_children(args: argparse.Namespace, dep: DeploymentConfig, threads: int) -> list[ChildSpec]:
+    """The kvstore, prefill and decode workers of one deployment, `threads` torch threads each."""
     kv = _address()
     engine = ("--model", dep.model, "--block-size", str(dep.block_size), "--kv-dtype", dep.kv_dtype,
-              "--num-blocks", str(dep.num_blocks or args.num_blocks),
-              *(("--threads", str(args.threads)) if args.threads else ()),
+              "--num-blocks", str(dep.num_blocks or args.num_blocks), "--threads", str(threads),
               *(("--max-batched-tokens", str(args.max_batched_tokens)) if getattr(args, "max_batched_tokens", 0) else ()))
     children = [ChildSpec(f"kvstore-{dep.name}", kv, pdserve_command(
         "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb), "--kv-backend", args.kv_backend))]
@@ -61,8 +60,9 @@ def plan_config(args: argparse.Namespace, config: ServeConfig | None = None) -> 
     config = config or load_serve_config(args.config)
     workers: list[ChildSpec] = []
     flags: list[str] = []
+    threads = args.threads or _threads_per_worker(args, config)
     for dep in config.deployments.values():
-        children = deployment_children(args, dep)
+        children = deployment_children(args, dep, threads)
         workers += children
         flags += target_flags(dep, children)
     seed = getattr(args, "experiment_seed", None)
@@ -72,6 +72,15 @@ def plan_config(args: argparse.Namespace, config: ServeConfig | None = None) -> 
         "--http-port", str(args.http_port), *flags, *(("--experiment-seed", str(seed)) if seed is not None else ()),
         *_placement_flags(args), *deadlines.gateway_flags(args)))
     return workers, gateway
+
+
+def _threads_per_worker(args: argparse.Namespace, config: ServeConfig) -> int:
+    """This host's cores divided among every deployment's worker processes, at least 1 (why:
+    `pdserve.commands.up.worker_threads`)."""
+    from pdserve.runtime.compute_threads import default_threads
+
+    processes = sum((dep.prefill or args.prefill) + (dep.decode or args.decode) for dep in config.deployments.values())
+    return max(1, default_threads() // max(processes, 1))
 
 
 def _placement_flags(args: argparse.Namespace) -> tuple[str, ...]:
