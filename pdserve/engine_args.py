@@ -31,6 +31,11 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
                         "(two 4-bit planes) and Q6_K dequantized; auto: int4 when the GGUF's projections are "
                         "Q4_0/Q4_1, packed when all are packable, if --dtype resolves to bfloat16/float16 on the "
                         "CPU (default: %(default)s)")
+    p.add_argument("--dense-prefill-copy", default=os.environ.get("PDSERVE_DENSE_PREFILL_COPY", "auto"),
+                   choices=["auto", "on", "off"],
+                   help="with packed projections (int4/packed), also keep them dequantized for prefill chunks of "
+                        "128 rows or more: prefill about 1.5x faster for the dense weights' memory (SmolLM2: "
+                        "+212 MB); outputs do not change; auto: on for prefill workers (default: %(default)s)")
 
 
 def resolved_dtypes(dtype: str, kv_dtype: str | None, device: str = "cpu") -> tuple[str, str]:
@@ -106,7 +111,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cuda_graph=getattr(args, "cuda_graph", True),
         dtype=dtype,
         weight_format=getattr(args, "weight_format", "dense"),
+        dense_prefill_copy=dense_prefill_copy(args),
     )
+
+
+def dense_prefill_copy(args: argparse.Namespace) -> bool:
+    """--dense-prefill-copy resolved: auto is on for a prefill worker (whose steps are mostly prompt chunks)."""
+    choice = getattr(args, "dense_prefill_copy", "off")
+    return choice == "on" or (choice == "auto" and getattr(args, "worker_role", "") == "prefill")
 
 
 def build_engine(args: argparse.Namespace, set_threads: bool = True):

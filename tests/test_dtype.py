@@ -68,3 +68,16 @@ def test_pdserve_up_passes_one_resolved_dtype_to_every_child() -> None:
         assert cmd[cmd.index("--dtype") + 1] == expected and cmd[cmd.index("--kv-dtype") + 1] == expected
     gw = list(gateway.command)
     assert gw[gw.index("--served-model-name") + 1] == "chat"
+
+
+def test_only_prefill_workers_keep_a_dense_prefill_copy_by_default() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.engine_args import engine_config_from_args
+
+    def config(role: str, *flags: str):
+        argv = [role, "--model", str(STORIES_GGUF), *flags]
+        return engine_config_from_args(build_parser().parse_args(argv))
+
+    assert config("prefill").dense_prefill_copy and not config("decode").dense_prefill_copy
+    assert not config("prefill", "--dense-prefill-copy", "off").dense_prefill_copy
+    assert config("decode", "--dense-prefill-copy", "on").dense_prefill_copy

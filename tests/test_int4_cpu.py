@@ -69,6 +69,24 @@ def test_both_paths_dequantize_to_the_same_weight():
     assert (lin.dequantized().float() - codes.dequantize()).abs().max() <= 2 ** -7 * codes.dequantize().abs().max()
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+def test_a_kept_dense_copy_changes_no_output_bit(planes):
+    """keep_dense_copy (prefill workers) caches what each many-row call dequantizes: every output,
+    kernel rows and dense rows alike, is bit for bit what the linear without it computes."""
+    gen = torch.Generator().manual_seed(planes)
+    codes = quantize_rtn(torch.randn(128, 64, generator=gen))
+    if planes == 2:  # an 8-bit weight as two planes: high scales 16x the low ones, high zero 0
+        codes = type(codes)(torch.cat([codes.codes, codes.codes.flip(1)], dim=1),
+                            torch.cat([16 * codes.scale, codes.scale], dim=1),
+                            torch.cat([torch.zeros_like(codes.zero), codes.zero], dim=1), planes=2)
+    plain, kept = Int4Linear(codes), Int4Linear(codes)
+    kept.keep_dense_copy()
+    assert kept.nbytes == plain.nbytes + 128 * 64 * 2  # the copy is the bf16 weight
+    for rows in (1, plain.dense_from_rows - 1, plain.dense_from_rows, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        assert torch.equal(kept(x), plain(x)), rows
+
+
 def test_int4_needs_reduced_precision_on_the_cpu():
     with pytest.raises(ConfigError, match="--weight-format int4 runs on the CPU with --dtype bfloat16"):
         EngineConfig(weight_format="int4", dtype="float32")
@@ -120,3 +138,21 @@ def test_int4_batched_equals_unbatched(smollm2_bf16):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = [engine.generate([p], greedy)[0].output_ids for p in prompts]
     assert [s.output_ids for s in engine.generate(prompts, greedy)] == alone
+
+
+def test_a_dense_prefill_copy_leaves_the_engine_exact(smollm2_bf16):
+    """A prefill worker's default (--dense-prefill-copy auto): a prompt chunk of more than
+    DENSE_FROM_ROWS tokens runs on the kept copy; logits equal the engine without it, bit for bit."""
+    ids = smollm2_bf16.tokenizer.encode("Summarise: " + "the sea is calm and the ships are in the harbour. " * 14)
+    assert len(ids) > 160
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    logits = []
+    for copy in (False, True):
+        engine = Engine.from_checkpoint(smollm2_bf16, EngineConfig(
+            cache=CacheConfig(num_blocks=64, dtype="bfloat16"), dtype="bfloat16", weight_format="int4",
+            dense_prefill_copy=copy))
+        engine.keep_logits = True
+        engine.add_request("r", ids, greedy)
+        engine.step()  # the whole prompt in one chunk
+        logits.append(engine.last_logits.clone())
+    assert torch.equal(logits[0], logits[1])

@@ -125,9 +125,21 @@ class ConcatLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
+    def keep_dense_copy(self) -> None:
+        for p in self.parts:
+            keep_dense_copy(p)
+
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+
+def keep_dense_copy(linear: Linear) -> None:
+    """Lets a packed linear keep its dequantized weight for many-row calls (Int4Linear.keep_dense_copy);
+    a no-op for formats that have no such path."""
+    keep = getattr(linear, "keep_dense_copy", None)
+    if keep is not None:
+        keep()
 
 
 WeightLike = torch.Tensor | QuantizedWeight | Int4Codes | Int8ActWeight

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.linear import Linear, as_linear, fused_linear
+from pdserve.quant.linear import Linear, as_linear, fused_linear, keep_dense_copy
 from pdserve.runtime.arch import LinearSite
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.config import ModelConfig
@@ -187,6 +187,12 @@ class LlamaModel:
         ctx = layer_context(config, self.kernels, device, all_reduce)
         self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def keep_dense_copies(self) -> None:
+        """Packed projections keep their dequantized weights for prefill chunks (quant.linear.keep_dense_copy)."""
+        for layer in self.layers:
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                keep_dense_copy(linear)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

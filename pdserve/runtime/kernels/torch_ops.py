@@ -167,14 +167,26 @@ def prefill_attention(
     num_blocks = -(-context_len // block_size_of(kv_cache))
     k, v = _gather_kv(kv_cache, layer, block_table[:num_blocks])  # [T', KVH, D]
     k, v = k[:context_len].transpose(0, 1), v[:context_len].transpose(0, 1)  # [KVH, T, D]
-    mask = _per_step("prefill_mask", (block_table, n, context_len), lambda: _causal_mask(n, context_len, q.device))
+    mask = _per_step("prefill_mask", (block_table, n, context_len, q.dtype),
+                     lambda: _causal_bias(n, context_len, q.dtype, q.device))
+    # KV heads repeated for their query heads and an additive mask: on the CPU that takes torch's
+    # flash kernel, 2-2.5x faster than the math path that enable_gqa or a boolean mask selects
+    # (a 200-token bf16 prompt, SmolLM2's 9 / 3 heads, 1 thread: 1.6 against 3.9 ms a layer).
+    group = q.shape[1] // k.shape[0]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )  # [H, n, D]
-    return out.transpose(0, 1)
+        q.transpose(0, 1)[None], _repeat_heads(k.to(q.dtype), group)[None],
+        _repeat_heads(v.to(q.dtype), group)[None], attn_mask=mask, scale=scale,
+    )  # [1, H, n, D]
+    return out[0].transpose(0, 1)
 
 
-def _causal_mask(n: int, context_len: int, device: torch.device) -> torch.Tensor:
-    """[n, T]: the last n positions of a context of T tokens each see themselves and before."""
+def _repeat_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[KVH, T, D] -> [KVH * group, T, D], each kv head repeated for the query heads sharing it."""
+    return x if group == 1 else x.repeat_interleave(group, dim=0)
+
+
+def _causal_bias(n: int, context_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[n, T]: 0 where the last n positions of a context of T tokens see (themselves and before), -inf after."""
     q_pos = torch.arange(context_len - n, context_len, device=device)[:, None]
-    return torch.arange(context_len, device=device)[None, :] <= q_pos
+    hidden = torch.arange(context_len, device=device)[None, :] > q_pos
+    return torch.zeros(n, context_len, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
