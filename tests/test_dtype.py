@@ -81,3 +81,9 @@ def test_only_prefill_workers_keep_a_dense_prefill_copy_by_default() -> None:
     assert config("prefill").dense_prefill_copy and not config("decode").dense_prefill_copy
     assert not config("prefill", "--dense-prefill-copy", "off").dense_prefill_copy
     assert config("decode", "--dense-prefill-copy", "on").dense_prefill_copy
+    from pdserve.commands.up import plan
+
+    workers, _ = plan(build_parser().parse_args(["up", "--dense-prefill-copy", "off", "--no-internal-token"]))
+    for spec in (w for w in workers if w.name != "kvstore"):  # up passes the choice to every worker
+        cmd = list(spec.command)
+        assert cmd[cmd.index("--dense-prefill-copy") + 1] == "off"

@@ -14,8 +14,8 @@ tests/test_gguf_packed.py) and hands them to torch's CPU int4 kernel (`int4_cpu.
 - Q6_K has one scale per 16 weights, which the kernel's groups (32 or more) cannot express without
   widening the codes: such tensors are dequantized at load (logged), the rest stay packed.
 
-`weights_for` resolves `--weight-format` (auto / dense / int4, and "packed" once the config takes
-it) into the weights an engine runs.
+`weights_for` resolves `--weight-format` (auto / dense / int4 / packed) into the weights an engine
+runs, a GPTQ checkpoint's included (its codes converted by pdserve.quant.gptq_cpu).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdserve.quant.gptq_cpu import gptq_weights, has_gptq_weights
 from pdserve.quant.int4_cpu import GROUP, Int4Codes, pack_weights
 
 log = logging.getLogger(__name__)
@@ -198,15 +199,20 @@ def weights_for(checkpoint, config) -> tuple[dict[str, object], str]:
     auto, on the CPU with bf16/fp16 compute: a GGUF whose projections are all Q4_0/Q4_1 -> "int4" (as
     before); all in PACKED_TYPES or DENSE_AT_LOAD_TYPES, at least one packed -> "packed"; else dense.
     int4: every projection 4-bit (the file's 4-bit codes, round-to-nearest for the rest). packed: the
-    file's codes where it has them, the loaded dense weight elsewhere."""
+    file's codes where it has them, the loaded dense weight elsewhere. A GPTQ checkpoint's codes
+    are converted alike (pdserve.quant.gptq_cpu.gptq_weights; auto takes them too)."""
     fmt, model = config.weight_format, checkpoint.config
     gguf = checkpoint.source if checkpoint.source.suffix == ".gguf" else None
     packable = config.dtype in ("bfloat16", "float16") and config.device.startswith("cpu")
-    if fmt == "dense" or (fmt == "auto" and (gguf is None or not packable)):
+    if fmt == "dense" or (fmt == "auto" and not packable):
+        return checkpoint.weights, "dense"
+    act = getattr(torch, config.dtype)
+    if gguf is None and has_gptq_weights(checkpoint.weights, model):  # a GPTQ checkpoint's own codes
+        return gptq_weights(checkpoint.weights, model, act, fmt)
+    if fmt == "auto" and gguf is None:
         return checkpoint.weights, "dense"
     names = model.arch.projection_names(model)
     codes, types = read_packed(gguf, {model.arch.to_gguf(n): n for n in names}) if gguf else ({}, {})
-    act = getattr(torch, config.dtype)
     if fmt == "auto":
         served = {_NAMES[t] for t in PACKED_TYPES | DENSE_AT_LOAD_TYPES}
         if not codes or len(types) < len(names) or not set(types.values()) <= served:

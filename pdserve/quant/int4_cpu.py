@@ -15,14 +15,15 @@ pdserve.quant.gguf_packed), re-packed once at load: the same codes llama.cpp run
 rounded to the activation dtype. Other weights (float; for `int4`, also Q8_0 and the other
 K-quants) are quantized here by round-to-nearest over groups of 32 (asymmetric min/max), which
 adds error. 8-bit and 5-bit codes (`--weight-format packed`) run as two 4-bit planes in one call
-(`Int4Codes.planes`, see gguf_packed).
+(`Int4Codes.planes`, see gguf_packed). GPTQ checkpoints' 4- and 8-bit codes are converted too
+(pdserve.quant.gptq_cpu); act-order ones carry an input permutation (`Int4Codes.perm`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
+ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 # From this many rows on (a prefill chunk), dequantizing the weight and running a dense matmul beats
 # the kernel, whose cost grows with every row (0.042 ms per row and SmolLM2 layer at 2 threads; two
 # planes, 8-bit codes: 0.085), while dequantizing in place then multiplying costs 3.0 ms + 0.017 per
@@ -39,16 +41,30 @@ DENSE_FROM_ROWS = 128
 DENSE_FROM_ROWS_TWO_PLANES = 48
 
 
+def shape_problem(out_features: int, in_features: int) -> str | None:
+    """Why a weight [out, in] cannot be the kernel's (torch's packing and GROUP), or None."""
+    if in_features % GROUP:
+        return f"{in_features} inputs, not a multiple of {GROUP}"
+    if out_features % ROW_MULTIPLE:
+        return f"{out_features} outputs, not a multiple of {ROW_MULTIPLE}"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Int4Codes:
     """A weight [N, K] as 4-bit codes in `planes` planes side by side along the inputs:
-    w[n, k] = sum_p (codes[n, pK + k] - 8) * scale[n, g_p] + zero[n, g_p], g_p = (pK + k) // 32."""
+    w[n, perm[k]] = sum_p (codes[n, pK + k] - 8) * scale[n, g_p] + zero[n, g_p], g_p = (pK + k) // 32.
+
+    `perm` (None: the identity) is the input column each code column stands for: an act-order GPTQ
+    weight's groups are scattered over the inputs, and sorting the columns by group makes each a
+    run of whole 32-column groups; the layer then multiplies x[:, perm]."""
 
     codes: torch.Tensor  # [N, planes * K] uint8 in [0, 15]
     scale: torch.Tensor  # [N, planes * K / 32] float32
     zero: torch.Tensor  # [N, planes * K / 32] float32
     act_dtype: torch.dtype = torch.bfloat16  # what the layer multiplies them with
     planes: int = 1  # 2: 8-bit codes u = 16 h + l as a high plane [h] and a low one [l]
+    perm: torch.Tensor | None = None  # [K] int64: input column of each code column (None: in order)
 
     @property
     def shape(self) -> torch.Size:
@@ -60,18 +76,23 @@ class Int4Codes:
         return self
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] float32."""
+        """[N, K] float32, the inputs in their order (`perm` undone)."""
         n, pk = self.codes.shape
         groups = (self.codes.float() - 8).view(n, pk // GROUP, GROUP)
         w = (groups * self.scale[..., None] + self.zero[..., None]).view(n, self.planes, pk // self.planes)
-        return w[:, 0] if self.planes == 1 else w.sum(dim=1)
+        w = w[:, 0] if self.planes == 1 else w.sum(dim=1)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
     def rows(self, order: torch.Tensor) -> Int4Codes:
         """The same weight with its output rows reordered (`order`: [N] row indices)."""
-        return Int4Codes(self.codes[order], self.scale[order], self.zero[order], self.act_dtype, self.planes)
+        return replace(self, codes=self.codes[order], scale=self.scale[order], zero=self.zero[order])
 
     def for_dtype(self, dtype: torch.dtype) -> Int4Codes:
-        return Int4Codes(self.codes, self.scale, self.zero, dtype, self.planes)
+        return replace(self, act_dtype=dtype)
 
 
 def quantize_rtn(weight: torch.Tensor) -> Int4Codes:
@@ -107,10 +128,12 @@ class Int4Linear:
     the one `_kernel_layout_known` checks (output rows a multiple of 64): steps of `dense_from_rows`
     rows or more dequantize the weight from it and run a dense matmul. Elsewhere a second packing of
     ours (two codes a byte) is kept to dequantize from. Two planes (8-bit codes) run as one kernel
-    call on [x, x]: the kernel sums both planes' products in fp32."""
+    call on [x, x]: the kernel sums both planes' products in fp32. With a column permutation
+    (`Int4Codes.perm`, act-order GPTQ) every call multiplies x[:, perm], one gather of the [M, K]
+    input, and `dequantized()` is the weight in that permuted column order."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -128,18 +151,24 @@ class Int4Linear:
         self.out_features, self.in_features, self.dtype, self.planes = n, pk // p, dtype, p
         self.dense_from_rows = DENSE_FROM_ROWS if p == 1 else DENSE_FROM_ROWS_TWO_PLANES
         self.dense: torch.Tensor | None = None  # [out, in]: `dequantized()` kept (keep_dense_copy)
+        self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
 
     @classmethod
     def fused(cls, parts: Sequence[Int4Codes], bias: torch.Tensor | None = None) -> Int4Linear:
         """One linear whose outputs are the parts' outputs concatenated (fused q/k/v, gate/up); the
-        parts have the same number of planes."""
+        parts have the same number of planes and the same input permutation (`same_inputs`)."""
+        if not same_inputs(parts):
+            raise ValueError("fused int4 parts need the same planes and input permutation")
         return cls(Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                             torch.cat([p.zero for p in parts]), parts[0].act_dtype, parts[0].planes), bias)
+                             torch.cat([p.zero for p in parts]), parts[0].act_dtype, parts[0].planes,
+                             parts[0].perm), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
+        if self.perm is not None:  # the weight's columns are sorted by group: so are the inputs'
+            x = permute_columns(x, self.perm)
         if x.shape[0] >= self.dense_from_rows:
             return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
@@ -165,7 +194,8 @@ class Int4Linear:
         return t.to(torch.float32, memory_format=torch.contiguous_format).view(n, k)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] in the activation dtype, from the codes and the kernel's scales."""
+        """The weight [out, in] in the activation dtype, from the codes and the kernel's scales (its
+        columns in `perm` order where there is one: what the calls multiply x[:, perm] with)."""
         n, k = self.out_features, self.in_features
         codes = self.codes_f32().view(n, k // GROUP, GROUP)
         # In fp32, rounded once at the end, as the kernel does: both paths multiply the same weight.
@@ -183,14 +213,32 @@ class Int4Linear:
         which otherwise dequantize the weight on every call: with SmolLM2's 4-bit codes at 1 thread
         that is about 40 % of a 200-token prompt's prefill. Costs the weight's dense size in memory
         (what a prefill worker, whose steps are mostly such chunks, spends by default). The copy is
-        the tensor each call would compute, so outputs do not change."""
+        the tensor each call would compute (columns permuted like the calls' inputs), so outputs do
+        not change."""
         self.dense = self.dequantized()
 
     @property
     def nbytes(self) -> int:
-        ts = [self.packed, self.scales_and_zeros] + [t for t in (self.nibbles, self.bias, self.dense)
+        ts = [self.packed, self.scales_and_zeros] + [t for t in (self.nibbles, self.bias, self.dense, self.perm)
                                                      if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x[:, perm] of a 2-D x of a 2-byte dtype (bf16 / fp16): [M, K] -> [M, K], exact.
+
+    One row: index_select, the quickest there. More: gather on the bits as int16, about 1.5-2x
+    index_select along the last dim from 4-8 rows on (K = 576, 1 thread)."""
+    if x.shape[0] == 1:
+        return x.index_select(-1, perm)
+    return torch.gather(x.view(torch.int16), -1, perm.expand(x.shape[0], -1)).view(x.dtype)
+
+
+def same_inputs(parts: Sequence[Int4Codes]) -> bool:
+    """Whether `parts` can be one fused Int4Linear: the same planes, and the same input permutation."""
+    first = parts[0]
+    return all(p.planes == first.planes and (p.perm is None) == (first.perm is None)
+               and (p.perm is None or torch.equal(p.perm, first.perm)) for p in parts)
 
 
 @functools.cache

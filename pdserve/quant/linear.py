@@ -6,7 +6,8 @@
   device with cupy, calls of up to `cuda_quant.MAX_ROWS` rows (decode) run the W8A16 / W4A16 kernel
   instead, which reads the packed words directly; more rows dequantize once and run a GEMM.
 - Int4Linear (pdserve.quant.int4_cpu): 4-bit codes packed for torch's CPU int4 kernel
-  (`--weight-format int4`), or 8-bit ones as two 4-bit planes (a GGUF's Q8_0 / Q5_K, gguf_packed).
+  (`--weight-format int4`), or 8-bit ones as two 4-bit planes (a GGUF's Q8_0 / Q5_K, gguf_packed);
+  a GPTQ checkpoint's codes too, on the CPU in bf16/fp16 (gptq_cpu), instead of QuantLinear.
 - W8A8Linear (pdserve.quant.int8_act): INT8 weights and INT8 activations (quantized per token, or
   with calibrated static scales) in an integer matmul.
 - ConcatLinear: parts whose outputs are concatenated, for fused q/k/v or gate/up that cannot be
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.quant.gptq_format import QuantizedWeight
-from pdserve.quant.int4_cpu import Int4Codes, Int4Linear
+from pdserve.quant.int4_cpu import Int4Codes, Int4Linear, same_inputs
 from pdserve.quant.int8_act import Int8ActWeight, W8A8Linear, fusable
 from pdserve.quant.packing import per_word
 
@@ -158,15 +159,16 @@ def fused_linear(weights: Sequence[WeightLike], biases: Sequence[torch.Tensor] |
 
     Dense weights are concatenated into one matrix (as before quantization existed). Quantized ones
     are concatenated along output channels when they share bits and g_idx, which q/k/v (and
-    gate/up) do when quantized together: same inputs, same Hessian, same activation order; W8A8
-    ones when they share the input's quantization. Else each part runs on its own.
+    gate/up) do when quantized together: same inputs, same Hessian, same activation order (int4
+    codes: the same input permutation, made from that g_idx); W8A8 ones when they share the input's
+    quantization. Else each part runs on its own.
     """
     bias = torch.cat(list(biases)) if biases is not None else None
     if all(isinstance(w, torch.Tensor) for w in weights):
         return DenseLinear(torch.cat(list(weights), dim=0).contiguous(), bias)
     if all(isinstance(w, QuantizedWeight) for w in weights) and _same_layout(weights):
         return QuantLinear.of(weights, bias)
-    if all(isinstance(w, Int4Codes) for w in weights) and len({w.planes for w in weights}) == 1:
+    if all(isinstance(w, Int4Codes) for w in weights) and same_inputs(weights):
         return Int4Linear.fused(weights, bias)
     if fusable(weights):  # W8A8 parts with one input quantization (q/k/v observe the same input)
         return W8A8Linear.of(weights, bias)
