@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.runtime.kernels import kv_quant
+from pdserve.runtime.kernels import cpu_attention, kv_quant
 from pdserve.runtime.kv_cache import block_size_of, is_scaled
 
 # Every layer of one step passes the same step tensors (positions, slot mapping, block tables,
@@ -117,18 +117,22 @@ def _gather_kv(kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor) ->
     return k.view(shape), v.view(shape)
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """One query token per sequence over its paged context.
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context: the cache read in place by the C kernel
+    (kernels.cpu_attention) where it applies, else `paged_decode_attention_torch`.
 
     q: [B, H, D]; block_tables: [B, MB] (padded); context_lens: [B] -> out [B, H, D].
     """
+    out = cpu_attention.paged_decode_attention(q, kv_cache, layer, block_tables, context_lens, scale)
+    if out is None:
+        out = paged_decode_attention_torch(q, kv_cache, layer, block_tables, context_lens, scale)
+    return out
+
+
+def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference: each sequence's blocks gathered (padded to the longest), then SDPA. Shapes as above."""
     b, h, d = q.shape
     kvh = kv_cache.shape[4]
     k, v = _gather_kv(kv_cache, layer, block_tables)  # [B, T, KVH, D]

@@ -1,0 +1,165 @@
+"""Decode attention read in place from the paged KV cache on the CPU (kernels/cpu/paged_attention.c).
+
+torch's CPU path (torch_ops.paged_decode_attention_torch, the reference) copies each sequence's
+blocks into a padded tensor and runs the flash kernel, whose fixed cost per (sequence, head) rules at
+one query per head. The C functions compute the scores and the weighted values straight from the
+blocks; the softmax between them is torch's. Built once per machine with the system C compiler
+(about a second; no torch headers) into a cache directory, loaded with ctypes, which releases the
+GIL during the call. Where no compiler is found or the build fails, `paged_decode_attention`
+returns None and the caller runs the torch path (one log line says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
+# -march=native: the library is built where it runs (the file name carries the CPU's identity).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_SCORES_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float]
+_VALUES_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $XDG_CACHE_HOME/pdserve/kernels (else ~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pdserve" / "kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and flags (a library built with -march=native runs only where they match)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *CFLAGS)).encode()
+                         + _cpu_identity().encode()).hexdigest()[:16]
+    return cache_dir() / f"paged_attention-{platform.machine()}-{key}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compiles SOURCE into `target`, atomically (concurrent workers may build at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (logged once) where they cannot be built or loaded."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU decode attention runs torch's gather + flash path")
+        return None
+    path = _library_path(compiler)
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", b"") or b""
+        log.warning("CPU paged attention kernel unavailable (%s %s): torch's path runs instead", err,
+                    detail.decode(errors="replace")[-300:])
+        return None
+    for suffix in _SUFFIX.values():
+        getattr(lib, f"paged_scores_{suffix}").argtypes = _SCORES_ARGS
+        getattr(lib, f"paged_values_{suffix}").argtypes = _VALUES_ARGS
+    return lib
+
+
+MAX_HEAD_DIM, MAX_HEADS = 256, 64  # the C side's fixed buffers
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel runs this call: CPU, bf16 or fp32 (the cache's dtype too), a contiguous cache."""
+    heads, dim, kv_heads = q.shape[1], q.shape[2], kv_cache.shape[4]
+    return (q.device.type == "cpu" and q.dtype in _SUFFIX and kv_cache.dtype == q.dtype and kv_cache.is_contiguous()
+            and dim <= MAX_HEAD_DIM and heads <= MAX_HEADS and library() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """q: [B, H, D]; block_tables: [B, MB] (padded); context_lens: [B] -> out [B, H, D], or None when
+    this kernel does not apply (dtype, layout, no library): the caller then runs torch's path."""
+    if not supports(q, kv_cache):
+        return None
+    lib = library()
+    b, h, d = q.shape
+    _, layers, _, rows, kvh, _ = kv_cache.shape
+    q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    t_pad = tables.shape[1] * rows
+    kv_size = rows * kvh * d  # elements of one block's keys (or values) of one layer
+    key_offset = layer * 2 * kv_size
+    suffix = _SUFFIX[q.dtype]
+    scores = torch.full((b, h, t_pad), float("-inf"), dtype=torch.float32)  # [B, H, T]: -inf past each context
+    probs = torch.empty_like(scores)
+    out = torch.empty_like(q)
+    es = q.element_size()
+
+    def scores_of(b0: int, b1: int) -> None:  # sequences [b0, b1)
+        getattr(lib, f"paged_scores_{suffix}")(
+            q.data_ptr() + b0 * h * d * es, kv_cache.data_ptr(), tables.data_ptr() + b0 * tables.shape[1] * 8,
+            lens.data_ptr() + b0 * 8, scores.data_ptr() + b0 * h * t_pad * 4, b1 - b0, tables.shape[1], h, kvh, d,
+            rows, layers * 2 * kv_size, key_offset, t_pad, scale)
+
+    def values_of(b0: int, b1: int) -> None:
+        getattr(lib, f"paged_values_{suffix}")(
+            probs.data_ptr() + b0 * h * t_pad * 4, kv_cache.data_ptr(), tables.data_ptr() + b0 * tables.shape[1] * 8,
+            lens.data_ptr() + b0 * 8, out.data_ptr() + b0 * h * d * es, b1 - b0, tables.shape[1], h, kvh, d, rows,
+            layers * 2 * kv_size, key_offset + kv_size, t_pad)
+
+    _split_over_threads(scores_of, b)
+    torch.softmax(scores, dim=-1, out=probs)  # on this thread: torch ops stay off the pool's threads
+    _split_over_threads(values_of, b)
+    return out
+
+
+# Sequences split over torch's thread count: ctypes lets go of the GIL during a call, so the
+# calling thread runs the first part while pool threads run the others. Only the C calls run on
+# the pool (a torch op there would start another OpenMP team: pdserve.runtime.compute_threads).
+MIN_SEQUENCES_PER_THREAD = 4
+_pool: ThreadPoolExecutor | None = None
+
+
+def _split_over_threads(run, batch: int) -> None:
+    """run(b0, b1) over [0, batch) in up to torch.get_num_threads() parts, the first on this thread."""
+    global _pool
+    parts = max(1, min(torch.get_num_threads(), batch // MIN_SEQUENCES_PER_THREAD))
+    if parts == 1:
+        run(0, batch)
+        return
+    if _pool is None or _pool._max_workers < parts - 1:
+        _pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="paged-attention")
+    bounds = [batch * i // parts for i in range(parts + 1)]
+    futures = [_pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    run(bounds[0], bounds[1])
+    for f in futures:
+        f.result()

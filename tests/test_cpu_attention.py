@@ -1,0 +1,92 @@
+"""The C decode attention over the paged cache (pdserve.runtime.kernels.cpu_attention) against
+torch's gather + SDPA path computed in fp32 on the same cache, and its fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pdserve.runtime.kernels import cpu_attention
+from pdserve.runtime.kernels.torch_ops import paged_decode_attention, paged_decode_attention_torch
+
+pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler: the kernel cannot be built")
+
+
+def _case(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int, block_size: int = 16,
+          layers: int = 3, seed: int = 0):
+    """A random cache with `batch` sequences of different lengths on shuffled blocks (tables padded)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 5 * block_size, (batch,), generator=gen)
+    widest = int(-(-lens.max() // block_size))
+    num_blocks = batch * widest + 1
+    cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, dim, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(batch, widest, dtype=torch.int64)  # padded with block 0
+    for b in range(batch):
+        used = int(-(-lens[b] // block_size))
+        tables[b, :used] = ids[b * widest:b * widest + used]
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    return q, cache, tables, lens
+
+
+SHAPES = [(9, 3, 64), (8, 4, 8), (4, 4, 32), (6, 1, 40)]  # SmolLM2, stories260K, MHA, MQA with a ragged dim
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+def test_float32_equals_the_torch_path(heads, kv_heads, dim):
+    q, cache, tables, lens = _case(torch.float32, 7, heads, kv_heads, dim)
+    for layer in range(cache.shape[1]):
+        got = cpu_attention.paged_decode_attention(q, cache, layer, tables, lens, dim ** -0.5)
+        want = paged_decode_attention_torch(q, cache, layer, tables, lens, dim ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
+def test_bfloat16_is_as_close_to_fp32_as_the_torch_path(heads, kv_heads, dim):
+    q, cache, tables, lens = _case(torch.bfloat16, 7, heads, kv_heads, dim, seed=1)
+    reference = paged_decode_attention_torch(q.float(), cache.float(), 1, tables, lens, dim ** -0.5)
+    got = cpu_attention.paged_decode_attention(q, cache, 1, tables, lens, dim ** -0.5)
+    torch_bf16 = paged_decode_attention_torch(q, cache, 1, tables, lens, dim ** -0.5)
+    assert got.dtype == torch.bfloat16
+    ours, theirs = (got.float() - reference).abs().max(), (torch_bf16.float() - reference).abs().max()
+    assert ours <= theirs + 2 ** -8 * reference.abs().max(), (ours, theirs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_sequence_gets_the_same_bits_in_any_batch(threads):
+    """Per-sequence math in a fixed order: batched (and split over threads) equals alone, bit for bit."""
+    q, cache, tables, lens = _case(torch.bfloat16, 12, 9, 3, 64, seed=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = cpu_attention.paged_decode_attention(q, cache, 0, tables, lens, 0.125)
+        for b in range(len(lens)):
+            alone = cpu_attention.paged_decode_attention(q[b:b + 1], cache, 0, tables[b:b + 1, :1 + int(lens[b] - 1) // 16],
+                                                         lens[b:b + 1], 0.125)
+            assert torch.equal(alone, batched[b:b + 1]), b
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_other_formats_run_the_torch_path():
+    q, cache, tables, lens = _case(torch.float16, 3, 8, 4, 8)
+    assert cpu_attention.paged_decode_attention(q, cache, 0, tables, lens, 0.3) is None
+    assert torch.equal(paged_decode_attention(q, cache, 0, tables, lens, 0.3),
+                       paged_decode_attention_torch(q, cache, 0, tables, lens, 0.3))
+
+
+def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that fails
+    cpu_attention.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+            assert cpu_attention.library() is None
+        assert "CPU paged attention kernel unavailable" in caplog.text
+        q, cache, tables, lens = _case(torch.float32, 2, 8, 4, 8)
+        assert torch.equal(paged_decode_attention(q, cache, 0, tables, lens, 0.3),
+                           paged_decode_attention_torch(q, cache, 0, tables, lens, 0.3))
+    finally:
+        cpu_attention.library.cache_clear()  # the next call, outside this test's environment, loads the real build
