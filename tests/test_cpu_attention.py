@@ -90,3 +90,28 @@ def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, capl
                            paged_decode_attention_torch(q, cache, 0, tables, lens, 0.3))
     finally:
         cpu_attention.library.cache_clear()  # the next call, outside this test's environment, loads the real build
+
+
+def _int8_cache(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int, seed: int = 3):
+    """An INT8 cache written by kv_quant.write_kv (codes plus a scale row per block) from a float one."""
+    from pdserve.runtime.kernels import kv_quant
+
+    q, cache, tables, lens = _case(dtype, batch, heads, kv_heads, dim, seed=seed)
+    nb, layers, _, bs, _, _ = cache.shape
+    codes = torch.zeros(nb, layers, 2, bs + 1, kv_heads, dim, dtype=torch.int8)
+    slots = torch.cat([tables[b, t // bs] * bs + t % bs for b in range(batch) for t in torch.arange(int(lens[b]))[None]])
+    for layer in range(layers):
+        ids, offsets = slots // bs, slots % bs
+        kv_quant.write_kv(codes, layer, cache[ids, layer, 0, offsets], cache[ids, layer, 1, offsets], slots)
+    return q, codes, tables, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES[:3])
+def test_int8_codes_equal_the_torch_path_over_the_same_codes(dtype, heads, kv_heads, dim):
+    q, codes, tables, lens = _int8_cache(dtype, 6, heads, kv_heads, dim)
+    got = cpu_attention.paged_decode_attention(q, codes, 2, tables, lens, dim ** -0.5)
+    assert got is not None and got.dtype == dtype
+    want = paged_decode_attention_torch(q.float(), codes, 2, tables, lens, dim ** -0.5)  # dequantized, fp32
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

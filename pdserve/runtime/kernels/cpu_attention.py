@@ -25,14 +25,19 @@ from pathlib import Path
 
 import torch
 
+from pdserve.runtime.kv_cache import block_size_of
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_SCORES_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9 + [ctypes.c_float]
-_VALUES_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9
+_QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_CACHE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8"}
+_KERNELS = [("bf16", "bf16"), ("f32", "f32"), ("bf16", "i8"), ("f32", "i8")]  # (query, cache) built
+_TABLE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9  # cache, tables, lens; sizes, strides, offset
+_SCORES_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float] + _TABLE_ARGS
+_VALUES_ARGS = [ctypes.c_void_p, ctypes.c_void_p] + _TABLE_ARGS
 
 
 def cache_dir() -> Path:
@@ -87,54 +92,59 @@ def library() -> ctypes.CDLL | None:
         log.warning("CPU paged attention kernel unavailable (%s %s): torch's path runs instead", err,
                     detail.decode(errors="replace")[-300:])
         return None
-    for suffix in _SUFFIX.values():
-        getattr(lib, f"paged_scores_{suffix}").argtypes = _SCORES_ARGS
-        getattr(lib, f"paged_values_{suffix}").argtypes = _VALUES_ARGS
+    for query, cache in _KERNELS:
+        getattr(lib, f"paged_scores_{query}_{cache}").argtypes = _SCORES_ARGS
+        getattr(lib, f"paged_values_{query}_{cache}").argtypes = _VALUES_ARGS
     return lib
 
 
 MAX_HEAD_DIM, MAX_HEADS = 256, 64  # the C side's fixed buffers
 
 
+def _kernel_suffix(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    pair = (_QUERY_SUFFIX.get(q.dtype), _CACHE_SUFFIX.get(kv_cache.dtype))
+    return "_".join(pair) if pair in _KERNELS else None
+
+
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel runs this call: CPU, bf16 or fp32 (the cache's dtype too), a contiguous cache."""
-    heads, dim, kv_heads = q.shape[1], q.shape[2], kv_cache.shape[4]
-    return (q.device.type == "cpu" and q.dtype in _SUFFIX and kv_cache.dtype == q.dtype and kv_cache.is_contiguous()
+    """Whether the kernel runs this call: on the CPU, a bf16 / fp32 query over a cache of its own dtype
+    or of INT8 codes, contiguous, within the C side's buffers."""
+    heads, dim = q.shape[1], q.shape[2]
+    return (q.device.type == "cpu" and _kernel_suffix(q, kv_cache) is not None and kv_cache.is_contiguous()
             and dim <= MAX_HEAD_DIM and heads <= MAX_HEADS and library() is not None)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q: [B, H, D]; block_tables: [B, MB] (padded); context_lens: [B] -> out [B, H, D], or None when
-    this kernel does not apply (dtype, layout, no library): the caller then runs torch's path."""
+    """q: [B, H, D]; block_tables: [B, MB] (padded); context_lens: [B] -> out [B, H, D] in q's dtype, or
+    None when this kernel does not apply (dtype, layout, no library): the caller runs torch's path."""
     if not supports(q, kv_cache):
         return None
-    lib = library()
+    lib, suffix = library(), _kernel_suffix(q, kv_cache)
     b, h, d = q.shape
     _, layers, _, rows, kvh, _ = kv_cache.shape
+    block_size = block_size_of(kv_cache)  # token slots (rows, less an INT8 cache's scale row)
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    t_pad = tables.shape[1] * rows
-    kv_size = rows * kvh * d  # elements of one block's keys (or values) of one layer
-    key_offset = layer * 2 * kv_size
-    suffix = _SUFFIX[q.dtype]
+    mb, t_pad = tables.shape[1], tables.shape[1] * block_size
+    chunk = rows * kvh * d  # elements of one (block, layer, k/v) run
     scores = torch.full((b, h, t_pad), float("-inf"), dtype=torch.float32)  # [B, H, T]: -inf past each context
     probs = torch.empty_like(scores)
     out = torch.empty_like(q)
     es = q.element_size()
 
+    def table_args(b0: int, b1: int, offset: int) -> tuple:
+        return (kv_cache.data_ptr(), tables.data_ptr() + b0 * mb * 8, lens.data_ptr() + b0 * 8, b1 - b0, mb, h,
+                kvh, d, block_size, layers * 2 * chunk, offset, t_pad)
+
     def scores_of(b0: int, b1: int) -> None:  # sequences [b0, b1)
-        getattr(lib, f"paged_scores_{suffix}")(
-            q.data_ptr() + b0 * h * d * es, kv_cache.data_ptr(), tables.data_ptr() + b0 * tables.shape[1] * 8,
-            lens.data_ptr() + b0 * 8, scores.data_ptr() + b0 * h * t_pad * 4, b1 - b0, tables.shape[1], h, kvh, d,
-            rows, layers * 2 * kv_size, key_offset, t_pad, scale)
+        getattr(lib, f"paged_scores_{suffix}")(q.data_ptr() + b0 * h * d * es, scores.data_ptr() + b0 * h * t_pad * 4,
+                                               scale, *table_args(b0, b1, 2 * layer * chunk))
 
     def values_of(b0: int, b1: int) -> None:
-        getattr(lib, f"paged_values_{suffix}")(
-            probs.data_ptr() + b0 * h * t_pad * 4, kv_cache.data_ptr(), tables.data_ptr() + b0 * tables.shape[1] * 8,
-            lens.data_ptr() + b0 * 8, out.data_ptr() + b0 * h * d * es, b1 - b0, tables.shape[1], h, kvh, d, rows,
-            layers * 2 * kv_size, key_offset + kv_size, t_pad)
+        getattr(lib, f"paged_values_{suffix}")(probs.data_ptr() + b0 * h * t_pad * 4, out.data_ptr() + b0 * h * d * es,
+                                               *table_args(b0, b1, (2 * layer + 1) * chunk))
 
     _split_over_threads(scores_of, b)
     torch.softmax(scores, dim=-1, out=probs)  # on this thread: torch ops stay off the pool's threads

@@ -7,7 +7,8 @@
 // from the cache blocks, for all query heads of a kv head at once; the softmax between them stays in
 // torch (vectorized exp).
 //
-// Cache layout [num_blocks, layers, 2, block_size, KVH, D], contiguous; block_tables [B, max_blocks]
+// Cache layout [num_blocks, layers, 2, rows, KVH, D], contiguous (bf16, fp32, or INT8 codes with a
+// scale row: pdserve.runtime.kernels.kv_quant); block_tables [B, max_blocks]
 // int64 (padded); context_lens [B] int64. Math in fp32 in a fixed order per sequence, so a sequence's
 // output does not depend on the rest of the batch. Plain C, no intrinsics: the dot products keep
 // LANES independent partial sums so that the compiler vectorizes them without reassociating.
@@ -53,78 +54,91 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 // Both functions walk each sequence's context once, row by row: a row holds every kv head's
 // D values (contiguous), and a block's rows of one layer are one contiguous run, prefetched a block
 // ahead (the cache is far larger than the CPU caches: this pass is bound by memory, not arithmetic).
+// Offsets and strides are in cache elements; `chunk` is one (block, layer, k/v) run of `chunk_rows`
+// rows: the block's tokens, then (INT8 codes) a scale row holding one fp32 per head at its D slot.
 
-static inline const void* block_row(const char* cache, const int64_t* table, int64_t t, int64_t block_size,
-                                    int64_t block_bytes, int64_t offset_bytes, int64_t row_bytes) {
-    return cache + table[t / block_size] * block_bytes + offset_bytes + (t % block_size) * row_bytes;
+static inline void load_row_i8(const int8_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)src[i];
 }
 
-static inline void prefetch_block(const char* cache, const int64_t* table, int64_t t, int64_t len,
-                                  int64_t block_size, int64_t block_bytes, int64_t offset_bytes, int64_t run_bytes) {
-    if (t % block_size || t + block_size >= len) return;
-    const char* next = cache + table[t / block_size + 1] * block_bytes + offset_bytes;
-    for (int64_t i = 0; i < run_bytes; i += 64) __builtin_prefetch(next + i);
+static inline void prefetch_next(const char* next, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(next + i);
 }
+
+// The row of token t in its chunk, decoded to fp32 into dst ([KVH * D]); INT8 codes scaled per head.
+#define LOAD_TOKEN_ROW(TC, LOADC, SCALED)                                                                     \
+    int64_t slot = t % block_size;                                                                            \
+    const TC* chunk = cache + table[t / block_size] * block_stride + offset;                                  \
+    if (slot == 0 && t + block_size < len)                                                                    \
+        prefetch_next((const char*)(cache + table[t / block_size + 1] * block_stride + offset),               \
+                      block_size * row * (int64_t)sizeof(TC));                                                \
+    LOADC(chunk + slot * row, dst, row);                                                                      \
+    if (SCALED)                                                                                               \
+        for (int64_t h = 0; h < kv_heads; h++) {                                                              \
+            float sc;                                                                                         \
+            memcpy(&sc, chunk + block_size * row + h * dim, sizeof sc);                                       \
+            for (int64_t d = 0; d < dim; d++) dst[h * dim + d] *= sc;                                         \
+        }
+
+#define KERNEL_ARGS(TC)                                                                                       \
+    const TC *cache, const int64_t *block_tables, const int64_t *context_lens, int64_t batch,                 \
+        int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,                 \
+        int64_t block_stride, int64_t offset, int64_t t_pad
 
 // scores [B, H, T_pad]: scale * q . k over each sequence's context; positions past it are untouched.
-#define DEFINE_SCORES(NAME, T, LOAD)                                                                          \
-    int NAME(const T* q, const T* cache, const int64_t* block_tables, const int64_t* context_lens,            \
-             float* scores, int64_t batch, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,  \
-             int64_t block_size, int64_t block_stride, int64_t key_offset, int64_t t_pad, float scale) {      \
-        int64_t group = heads / kv_heads, row = kv_heads * dim, es = (int64_t)sizeof(T);                      \
+#define DEFINE_SCORES(NAME, TQ, LOADQ, TC, LOADC, SCALED)                                                     \
+    int NAME(const TQ* q, float* scores, float scale, KERNEL_ARGS(TC)) {                                      \
+        int64_t group = heads / kv_heads, row = kv_heads * dim;                                               \
         if (dim > MAX_HEAD_DIM || heads > MAX_HEADS) return 1;                                                \
-        static _Thread_local float qf[MAX_HEADS * MAX_HEAD_DIM], kf[MAX_HEADS * MAX_HEAD_DIM];               \
+        static _Thread_local float qf[MAX_HEADS * MAX_HEAD_DIM], dst[MAX_HEADS * MAX_HEAD_DIM];              \
         for (int64_t b = 0; b < batch; b++) {                                                                 \
             int64_t len = context_lens[b];                                                                    \
             const int64_t* table = block_tables + b * max_blocks;                                             \
-            LOAD(q + b * heads * dim, qf, heads * dim);                                                       \
+            LOADQ(q + b * heads * dim, qf, heads * dim);                                                      \
             float* out = scores + b * heads * t_pad;                                                          \
             for (int64_t t = 0; t < len; t++) {                                                               \
-                prefetch_block((const char*)cache, table, t, len, block_size, block_stride * es,              \
-                               key_offset * es, block_size * row * es);                                       \
-                LOAD((const T*)block_row((const char*)cache, table, t, block_size, block_stride * es,         \
-                                         key_offset * es, row * es), kf, row);                                \
+                LOAD_TOKEN_ROW(TC, LOADC, SCALED)                                                             \
                 for (int64_t hq = 0; hq < heads; hq++)                                                        \
-                    out[hq * t_pad + t] = scale * dot(qf + hq * dim, kf + (hq / group) * dim, dim);           \
+                    out[hq * t_pad + t] = scale * dot(qf + hq * dim, dst + (hq / group) * dim, dim);          \
             }                                                                                                 \
         }                                                                                                     \
         return 0;                                                                                             \
     }
 
 // out [B, H, D] = probs [B, H, T_pad] @ values of each sequence's context (positions past it ignored).
-#define DEFINE_WEIGHTED_VALUES(NAME, T, LOAD, STORE)                                                          \
-    int NAME(const float* probs, const T* cache, const int64_t* block_tables, const int64_t* context_lens,    \
-             T* out, int64_t batch, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,         \
-             int64_t block_size, int64_t block_stride, int64_t value_offset, int64_t t_pad) {                 \
-        int64_t group = heads / kv_heads, row = kv_heads * dim, es = (int64_t)sizeof(T);                      \
+#define DEFINE_WEIGHTED_VALUES(NAME, TQ, STOREQ, TC, LOADC, SCALED)                                           \
+    int NAME(const float* probs, TQ* out, KERNEL_ARGS(TC)) {                                                  \
+        int64_t group = heads / kv_heads, row = kv_heads * dim;                                               \
         if (dim > MAX_HEAD_DIM || heads > MAX_HEADS) return 1;                                                \
-        static _Thread_local float acc[MAX_HEADS * MAX_HEAD_DIM], vf[MAX_HEADS * MAX_HEAD_DIM];              \
+        static _Thread_local float acc[MAX_HEADS * MAX_HEAD_DIM], dst[MAX_HEADS * MAX_HEAD_DIM];             \
         for (int64_t b = 0; b < batch; b++) {                                                                 \
             int64_t len = context_lens[b];                                                                    \
             const int64_t* table = block_tables + b * max_blocks;                                             \
             const float* p = probs + b * heads * t_pad;                                                       \
             memset(acc, 0, heads * dim * sizeof(float));                                                      \
             for (int64_t t = 0; t < len; t++) {                                                               \
-                prefetch_block((const char*)cache, table, t, len, block_size, block_stride * es,              \
-                               value_offset * es, block_size * row * es);                                     \
-                LOAD((const T*)block_row((const char*)cache, table, t, block_size, block_stride * es,         \
-                                         value_offset * es, row * es), vf, row);                              \
+                LOAD_TOKEN_ROW(TC, LOADC, SCALED)                                                             \
                 for (int64_t hq = 0; hq < heads; hq++) {                                                      \
                     float w = p[hq * t_pad + t];                                                              \
-                    const float* v = vf + (hq / group) * dim;                                                 \
+                    const float* v = dst + (hq / group) * dim;                                                \
                     float* a = acc + hq * dim;                                                                \
                     for (int64_t d = 0; d < dim; d++) a[d] += w * v[d];                                       \
                 }                                                                                             \
             }                                                                                                 \
-            T* o = out + b * heads * dim;                                                                     \
-            for (int64_t i = 0; i < heads * dim; i++) o[i] = STORE(acc[i]);                                   \
+            TQ* o = out + b * heads * dim;                                                                    \
+            for (int64_t i = 0; i < heads * dim; i++) o[i] = STOREQ(acc[i]);                                  \
         }                                                                                                     \
         return 0;                                                                                             \
     }
 
 #define STORE_F32(x) (x)
 
-DEFINE_SCORES(paged_scores_bf16, uint16_t, load_row_bf16)
-DEFINE_SCORES(paged_scores_f32, float, load_row_f32)
-DEFINE_WEIGHTED_VALUES(paged_values_bf16, uint16_t, load_row_bf16, f32_to_bf16)
-DEFINE_WEIGHTED_VALUES(paged_values_f32, float, load_row_f32, STORE_F32)
+// Names: paged_{scores,values}_<query dtype>_<cache dtype>.
+DEFINE_SCORES(paged_scores_bf16_bf16, uint16_t, load_row_bf16, uint16_t, load_row_bf16, 0)
+DEFINE_SCORES(paged_scores_f32_f32, float, load_row_f32, float, load_row_f32, 0)
+DEFINE_SCORES(paged_scores_bf16_i8, uint16_t, load_row_bf16, int8_t, load_row_i8, 1)
+DEFINE_SCORES(paged_scores_f32_i8, float, load_row_f32, int8_t, load_row_i8, 1)
+DEFINE_WEIGHTED_VALUES(paged_values_bf16_bf16, uint16_t, f32_to_bf16, uint16_t, load_row_bf16, 0)
+DEFINE_WEIGHTED_VALUES(paged_values_f32_f32, float, STORE_F32, float, load_row_f32, 0)
+DEFINE_WEIGHTED_VALUES(paged_values_bf16_i8, uint16_t, f32_to_bf16, int8_t, load_row_i8, 1)
+DEFINE_WEIGHTED_VALUES(paged_values_f32_i8, float, STORE_F32, int8_t, load_row_i8, 1)
