@@ -24,11 +24,14 @@ KERNEL_NAMES = (
 
 
 def get_kernels(device: str) -> ModuleType:
-    """Returns the module of kernels for `device`: torch ops on the CPU."""
+    """Returns the module of kernels for `device`: torch ops on the CPU (decode attention in C where it builds)."""
     if device.startswith("cuda"):
         try:
             from pdserve.runtime.kernels import cuda_ops  # noqa: PLC0415 (needs cupy)
         except ImportError:
             return torch_ops
         return cuda_ops
+    from pdserve.runtime.kernels import cpu_attention  # noqa: PLC0415
+
+    cpu_attention.library()  # built (about a second, once per machine) with the model, not in its first step
     return torch_ops
