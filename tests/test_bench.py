@@ -215,8 +215,10 @@ def test_client_times_known_delays_and_counts_errors() -> None:
     assert all(r.output_tokens == 5 and r.prompt_tokens == 2 and r.text == "ttttt" for r in ok)
     # TTFT at least the server's delay; on a loaded machine maybe more, but not by a lot
     assert all(FIRST_DELAY_S <= r.ttft < FIRST_DELAY_S + 0.25 for r in ok)
-    assert all(len(r.itl) == 4 and all(g >= GAP_S * 0.8 for g in r.itl) for r in ok)
-    assert all(r.latency >= r.ttft + 4 * GAP_S * 0.8 for r in ok)
+    # Each gap as the client sees it can shrink (a late token followed by an on-time one), so bound
+    # what cannot: the last token comes no earlier than the server's first delay plus its four gaps.
+    assert all(len(r.itl) == 4 and all(g >= 0 for g in r.itl) for r in ok)
+    assert all(r.latency >= (FIRST_DELAY_S + 4 * GAP_S) * 0.99 for r in ok)
 
 
 def test_sessions_extend_the_prompt_with_think_time() -> None:
