@@ -85,15 +85,21 @@ static inline void prefetch_next(const char* next, int64_t bytes) {
         int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,                 \
         int64_t block_stride, int64_t offset, int64_t t_pad
 
+// Shared by both kernels: sizes checked against the fixed buffers, then each sequence's length and table.
+#define KERNEL_PROLOGUE                                                                                       \
+    int64_t group = heads / kv_heads, row = kv_heads * dim;                                                   \
+    if (dim > MAX_HEAD_DIM || heads > MAX_HEADS) return 1;
+#define SEQUENCE_PROLOGUE                                                                                     \
+    int64_t len = context_lens[b];                                                                            \
+    const int64_t* table = block_tables + b * max_blocks;
+
 // scores [B, H, T_pad]: scale * q . k over each sequence's context; positions past it are untouched.
 #define DEFINE_SCORES(NAME, TQ, LOADQ, TC, LOADC, SCALED)                                                     \
     int NAME(const TQ* q, float* scores, float scale, KERNEL_ARGS(TC)) {                                      \
-        int64_t group = heads / kv_heads, row = kv_heads * dim;                                               \
-        if (dim > MAX_HEAD_DIM || heads > MAX_HEADS) return 1;                                                \
+        KERNEL_PROLOGUE                                                                                       \
         static _Thread_local float qf[MAX_HEADS * MAX_HEAD_DIM], dst[MAX_HEADS * MAX_HEAD_DIM];              \
         for (int64_t b = 0; b < batch; b++) {                                                                 \
-            int64_t len = context_lens[b];                                                                    \
-            const int64_t* table = block_tables + b * max_blocks;                                             \
+            SEQUENCE_PROLOGUE                                                                                 \
             LOADQ(q + b * heads * dim, qf, heads * dim);                                                      \
             float* out = scores + b * heads * t_pad;                                                          \
             for (int64_t t = 0; t < len; t++) {                                                               \
@@ -108,12 +114,10 @@ static inline void prefetch_next(const char* next, int64_t bytes) {
 // out [B, H, D] = probs [B, H, T_pad] @ values of each sequence's context (positions past it ignored).
 #define DEFINE_WEIGHTED_VALUES(NAME, TQ, STOREQ, TC, LOADC, SCALED)                                           \
     int NAME(const float* probs, TQ* out, KERNEL_ARGS(TC)) {                                                  \
-        int64_t group = heads / kv_heads, row = kv_heads * dim;                                               \
-        if (dim > MAX_HEAD_DIM || heads > MAX_HEADS) return 1;                                                \
+        KERNEL_PROLOGUE                                                                                       \
         static _Thread_local float acc[MAX_HEADS * MAX_HEAD_DIM], dst[MAX_HEADS * MAX_HEAD_DIM];             \
         for (int64_t b = 0; b < batch; b++) {                                                                 \
-            int64_t len = context_lens[b];                                                                    \
-            const int64_t* table = block_tables + b * max_blocks;                                             \
+            SEQUENCE_PROLOGUE                                                                                 \
             const float* p = probs + b * heads * t_pad;                                                       \
             memset(acc, 0, heads * dim * sizeof(float));                                                      \
             for (int64_t t = 0; t < len; t++) {                                                               \
