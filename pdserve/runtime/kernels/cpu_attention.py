@@ -6,7 +6,8 @@ one query per head. The C functions compute the scores and the weighted values s
 blocks; the softmax between them is torch's. Built once per machine with the system C compiler
 (about a second; no torch headers) into a cache directory, loaded with ctypes, which releases the
 GIL during the call. Where no compiler is found or the build fails, `paged_decode_attention`
-returns None and the caller runs the torch path (one log line says why).
+returns None and the caller runs the torch path (one log line says why). The same library holds the
+INT8 KV write (kernels/cpu/kv_write.c, called through `cpu_kv_write`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from pdserve.runtime.kv_cache import block_size_of
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
+# One library from both sources (one build, one cache entry, one portable file): the INT8 KV write
+# (kv_write.c, loaded by cpu_kv_write) ships with the decode attention that reads what it writes.
+SOURCES = (SOURCE, SOURCE.with_name("kv_write.c"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 _QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -38,6 +42,9 @@ _KERNELS = [("bf16", "bf16"), ("f32", "f32"), ("bf16", "i8"), ("f32", "i8")]  # 
 _TABLE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9  # cache, tables, lens; sizes, strides, offset
 _SCORES_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float] + _TABLE_ARGS
 _VALUES_ARGS = [ctypes.c_void_p, ctypes.c_void_p] + _TABLE_ARGS
+# cache, k, v; k and v row strides; slots; n, num_blocks, kv_heads, dim, block_size, block_stride, layer_offset
+_KV_WRITE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
+KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
 
 
 def cache_dir() -> Path:
@@ -57,7 +64,7 @@ def _cpu_identity() -> str:
 
 
 def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *CFLAGS)).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join((compiler, *CFLAGS)).encode()
                          + _cpu_identity().encode()).hexdigest()[:16]
     return cache_dir() / f"paged_attention-{platform.machine()}-{key}.so"
 
@@ -70,12 +77,12 @@ PORTABLE_MARCH = {"x86_64": "-march=x86-64-v3", "aarch64": "-march=armv8-a"}  # 
 
 
 def _build(compiler: str, target: Path, flags: tuple[str, ...] = CFLAGS) -> None:
-    """Compiles SOURCE into `target`, atomically (concurrent workers may build at once)."""
+    """Compiles SOURCES into one library `target`, atomically (concurrent workers may build at once)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -119,11 +126,14 @@ def library() -> ctypes.CDLL | None:
         except OSError as err:
             why = f"{why}; {PORTABLE.name}: {err}"
     if lib is None:
-        log.warning("CPU paged attention kernel unavailable (%s): torch's path runs instead", why)
+        log.warning("CPU paged attention kernel unavailable (%s): torch's path runs instead "
+                    "(decode attention and the INT8 KV write)", why)
         return None
     for query, cache in _KERNELS:
         getattr(lib, f"paged_scores_{query}_{cache}").argtypes = _SCORES_ARGS
         getattr(lib, f"paged_values_{query}_{cache}").argtypes = _VALUES_ARGS
+    for inputs in KV_WRITE_INPUTS:
+        getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     return lib
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.runtime.kernels import cpu_attention, kv_quant
+from pdserve.runtime.kernels import cpu_attention, cpu_kv_write, kv_quant
 from pdserve.runtime.kv_cache import block_size_of, is_scaled
 
 # Every layer of one step passes the same step tensors (positions, slot mapping, block tables,
@@ -87,9 +87,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def write_kv(
     kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatters k, v: [N, KVH, D] into their slots (slot = block_id * block_size + offset)."""
+    """Scatters k, v: [N, KVH, D] into their slots (slot = block_id * block_size + offset). A scaled cache
+    is quantized: INT8 on the CPU by the C write (kernels.cpu_kv_write) where it applies, else kv_quant's."""
     if is_scaled(kv_cache.dtype):
-        kv_quant.write_kv(kv_cache, layer, k, v, slot_mapping)
+        if not cpu_kv_write.write_kv(kv_cache, layer, k, v, slot_mapping):
+            kv_quant.write_kv(kv_cache, layer, k, v, slot_mapping)
         return
     block_size = kv_cache.shape[3]
     block_ids, offsets = _per_step("slots", (slot_mapping, block_size), lambda: (
