@@ -136,7 +136,10 @@ def test_quant_eval_only_prints_the_table(tmp_path, capsys):
     rows = {r["name"]: r for r in data["formats"]}
     assert list(rows) == ["fp32", "int8", "int4-gguf", "int4-gptq-g128"]
     assert rows["fp32"]["kl"] == 0.0 and rows["fp32"]["top1"] == 1.0 and rows["fp32"]["positions"] == 48
-    assert 0 < rows["int8"]["kl"] < 0.01 and rows["int8"]["bits_per_weight"] < 10
+    assert 0 < rows["int8"]["kl"] < 0.01 and rows["int8"]["bits_per_weight"] < 16  # bf16 would be 16
+    # the row is what `pdserve quantize` writes, served as `pdserve up` would serve it
+    assert rows["int8"]["recipe"] == "pdserve quantize --method rtn --bits 8"
+    assert rows["int8"]["serve"] == "--dtype bfloat16 --weight-format auto" and rows["int8"]["make_s"] > 0
     assert rows["int8"]["rss_mb"] is None  # --rss none
     assert rows["int8"]["tokens_per_s_32"] > 0 and rows["int8"]["ttft_200_s"] > 0
     # on the wire: the cache's bytes plus a header per block (stories260K: 16 tokens a block)
@@ -158,3 +161,33 @@ def test_quant_eval_refuses_an_unknown_row(capsys):
     args = build_parser().parse_args(["quant-eval", "--model", str(STORIES_GGUF), "--only", "int3"])
     assert args._run(args) == 2
     assert "--only: unknown row(s) int3" in capsys.readouterr().err
+
+
+def test_prebuilt_row_serves_the_given_checkpoint(tmp_path, capsys):
+    """--prebuilt ROW=DIR serves a checkpoint made beforehand (here by `pdserve quantize`, as the row
+    itself would make it): same accuracy as the row that makes its own, and nothing made."""
+    parser = build_parser()
+    made = tmp_path / "int8"
+    quantize = parser.parse_args(["quantize", "--model", str(STORIES_GGUF), "--method", "rtn", "--bits", "8",
+                                  "--out", str(made)])
+    assert quantize._run(quantize) == 0
+    runs = {}
+    for name, extra in (("own", []), ("prebuilt", ["--prebuilt", f"int8={made}"])):
+        out = tmp_path / f"{name}.json"
+        args = parser.parse_args(["quant-eval", "--model", str(STORIES_GGUF), "--only", "int8", "--positions", "32",
+                                  "--tasks", "0", "--speed-rounds", "1", "--threads", "1", "--rss", "none",
+                                  "--json", str(out), *extra])
+        assert args._run(args) == 0
+        runs[name] = {r["name"]: r for r in json.loads(out.read_text())["formats"]}["int8"]
+    assert runs["prebuilt"]["make_s"] == 0.0 < runs["own"]["make_s"]
+    assert runs["prebuilt"]["kl"] == runs["own"]["kl"] and runs["prebuilt"]["top1"] == runs["own"]["top1"]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("pair, message", [("int8", "want ROW=PATH"), ("int9=/tmp", "want ROW=PATH"),
+                                           ("int8=/no/such/dir", "does not exist")])
+def test_prebuilt_refuses_bad_pairs(pair, message, capsys):
+    args = build_parser().parse_args(["quant-eval", "--model", str(STORIES_GGUF), "--only", "int8",
+                                      "--prebuilt", pair])
+    assert args._run(args) == 2
+    assert message in capsys.readouterr().err

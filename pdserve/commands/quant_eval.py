@@ -1,9 +1,11 @@
 """`pdserve quant-eval`: accuracy, memory and speed of each weight / KV format against FP32, one row each.
 
-A row is a name and a way to build the engine that serves the format (`Row`, `ROWS`): FP32 and
-bf16 weights, INT8 per channel (RTN, GPTQ), INT4 at group 128 (RTN, GPTQ, GPTQ with act-order),
-the GGUF's own Q4 codes packed for the CPU kernel (`--weight-format int4`, bf16 compute), and FP32
-weights with an INT8 or FP8 KV cache; more rows (asymmetric INT8, other group sizes) with `--only`.
+A row is a format as a user makes and serves it (`pdserve.quant.eval_rows`): the command that
+writes its model (`pdserve quantize`, `pdserve qat`, a GGUF re-encoded, or the source file) and the
+flags `pdserve up` serves it with. Default rows: FP32 and bf16 weights, INT8 per channel (RTN,
+GPTQ), INT4 at group 128 (RTN, GPTQ, GPTQ with act-order), the GGUF's own Q4 codes and a Q8_0
+re-encoding served packed, dynamic and static W8A8, INT4 MLP with INT8 attention, QAT INT4, and FP32
+weights with an INT8 or FP8 KV cache; more with `--only`.
 Every measurement runs through that engine's own model forward and scheduler
 (`pdserve.quant.accuracy` says how each is taken):
 
@@ -36,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.commands.output import write_json
+from pdserve.quant.eval_rows import (QAT_STEPS, ROWS, RSS_BLOCKS, Row, RowContext, RowUnavailable, build_engine, curve_row,
+                                     select_rows)
 
 NAME = "quant-eval"
 HELP = "accuracy (KL, top-1, perplexity, tasks), memory and speed of weight/KV formats vs FP32"
@@ -49,14 +53,6 @@ PROMPTS = (
     "The cat wanted to play with the yarn, but", "Ben found a shiny rock in the garden.", "It was a rainy day.",
 )
 CONTINUATION = 64
-HARNESS_BLOCKS = 512  # KV blocks of each row's engine (held-out generation and tasks run 32 at a time)
-RSS_BLOCKS = 32  # KV blocks of the fresh serving process whose RSS is measured (512 tokens)
-
-
-class RowUnavailable(Exception):
-    """This row cannot run on this model (e.g. no Q4 codes in the file); the message says why."""
-
-
 @dataclass(frozen=True)
 class Format:
     """A weight quantization of `quantize_model` (bits 32: the weights as loaded)."""
@@ -70,200 +66,14 @@ class Format:
     kv_dtype: str = "float32"
 
 
-# ---- rows ----------------------------------------------------------------------------------------
-
-@dataclass
-class Built:
-    engine: object  # pdserve.runtime.engine.Engine
-    # engine flags of a fresh process serving the row (made only when RSS is measured; None: not measurable)
-    serve_flags: Callable[[], list[str]] | None
-
-
-class RowContext:
-    """What rows build from: the FP32 checkpoint, checkpoints in other dtypes, calibration rows, a
-    scratch directory for quantized checkpoints. Everything made once and shared between rows."""
-
-    def __init__(self, model_path: Path, fp32, calib: str, calib_samples: int, calib_seq_len: int, tmp: Path) -> None:
-        self.model_path, self.fp32, self.tmp = model_path, fp32, tmp
-        self.calib_source, self.calib_samples, self.calib_seq_len = calib, calib_samples, calib_seq_len
-        self._checkpoints = {"float32": fp32}
-        self._calib: dict[int, object] = {}
-
-    def checkpoint(self, dtype: str):
-        import torch
-
-        from pdserve.runtime.loader import load_checkpoint
-
-        if dtype not in self._checkpoints:
-            self._checkpoints[dtype] = load_checkpoint(self.model_path, getattr(torch, dtype))
-        return self._checkpoints[dtype]
-
-    def calibration(self, samples: int | None = None):
-        """[n, T] calibration token rows, n <= samples (default: --calib-samples), made at the first
-        GPTQ row; the first n rows of a larger set are the rows of a smaller one."""
-        from pdserve.quant.calibration import load_texts, token_chunks
-
-        n = samples or self.calib_samples
-        if n not in self._calib:
-            self._calib[n] = token_chunks(self.fp32.tokenizer, load_texts(self.calib_source), self.calib_seq_len, n)
-        return self._calib[n]
-
-    def engine(self, checkpoint, dtype: str = "float32", kv_dtype: str = "float32", weight_format: str = "dense",
-               weights: dict | None = None, variant: str = ""):
-        """An engine on `checkpoint` (or on `weights`, a quantized dict of it named `variant`: its
-        own fingerprint, as a quantized checkpoint has)."""
-        import hashlib
-
-        from pdserve.runtime.config import CacheConfig, EngineConfig
-        from pdserve.runtime.engine import Engine
-
-        config = EngineConfig(cache=CacheConfig(num_blocks=HARNESS_BLOCKS, dtype=kv_dtype), dtype=dtype,
-                              weight_format=weight_format)
-        if weights is None:
-            return Engine.from_checkpoint(checkpoint, config)
-        fingerprint = hashlib.blake2b(f"{checkpoint.fingerprint}/{variant}".encode(), digest_size=16).hexdigest()
-        return Engine(checkpoint.config, weights, fingerprint, config, tokenizer=checkpoint.tokenizer)
-
-    def flags(self, model: Path | None = None, dtype: str = "float32", kv_dtype: str = "float32",
-              weight_format: str = "dense") -> list[str]:
-        return ["--model", str(model or self.model_path), "--dtype", dtype, "--kv-dtype", kv_dtype,
-                "--weight-format", weight_format, "--num-blocks", str(RSS_BLOCKS)]
-
-
-def float_row(dtype: str, kv_dtype: str | None = None) -> Callable[[RowContext], Built]:
-    """The file's weights in `dtype` (dense), KV in `kv_dtype` (default: the same dtype)."""
-    def build(ctx: RowContext) -> Built:
-        kv = kv_dtype or dtype
-        return Built(ctx.engine(ctx.checkpoint(dtype), dtype, kv), lambda: ctx.flags(dtype=dtype, kv_dtype=kv))
-    return build
-
-
-def gguf_int4_row(ctx: RowContext) -> Built:
-    """The GGUF's own Q4_0/Q4_1 codes packed for torch's CPU int4 kernel, bf16 activations."""
-    from pdserve.quant.int4_cpu import read_gguf_codes
-
-    fp32 = ctx.fp32
-    if fp32.source.suffix != ".gguf":
-        raise RowUnavailable("not a GGUF file")
-    names = fp32.config.arch.projection_names(fp32.config)
-    codes = read_gguf_codes(fp32.source, {fp32.config.arch.to_gguf(n): n for n in names})
-    if len(codes) < len(names):
-        raise RowUnavailable(f"{len(names) - len(codes)} of {len(names)} projections are not Q4_0/Q4_1 in the file")
-    engine = ctx.engine(ctx.checkpoint("bfloat16"), "bfloat16", "bfloat16", "int4")
-    return Built(engine, lambda: ctx.flags(dtype="bfloat16", kv_dtype="bfloat16", weight_format="int4"))
-
-
-def quantized_row(fmt: Format) -> Callable[[RowContext], Built]:
-    """`quantize_model` of the FP32 weights; the fresh serving process loads the checkpoint
-    `pdserve quantize` would write (saved here)."""
-    def build(ctx: RowContext) -> Built:
-        weights = quantized_weights(ctx.fp32, fmt, ctx.calibration() if fmt.method == "gptq" else None)
-        engine = ctx.engine(ctx.fp32, kv_dtype=fmt.kv_dtype, weights=weights, variant=fmt.name)
-        return Built(engine, lambda: ctx.flags(model=save_checkpoint(ctx, fmt, weights), kv_dtype=fmt.kv_dtype))
-    return build
-
-
-def save_checkpoint(ctx: RowContext, fmt: Format, weights: dict) -> Path:
-    from pdserve.quant.checkpoint import quantization_config, save_quantized
-    from pdserve.quant.spec import QuantSpec
-
-    spec = QuantSpec(fmt.bits, fmt.group_size, sym=fmt.bits == 8 and fmt.sym, desc_act=fmt.desc_act)
-    qconfig = quantization_config(spec, fmt.method, 0.01, {"source": ctx.fp32.source.name,
-                                                           "created_by": "pdserve quant-eval"})
-    return save_quantized(ctx.tmp / fmt.name, ctx.fp32, weights, qconfig)
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    weights: str  # the projections, for the table
-    kv: str
-    build: Callable[[RowContext], Built]
-    default: bool = True  # in the table without --only
-
-
-def _q(name: str, weights: str, fmt: Format, default: bool = True) -> Row:
-    return Row(name, weights, "fp32" if fmt.kv_dtype == "float32" else fmt.kv_dtype, quantized_row(fmt), default)
-
-
-ROWS: tuple[Row, ...] = (
-    Row("fp32", "fp32", "fp32", float_row("float32")),
-    Row("bf16", "bf16", "bf16", float_row("bfloat16")),
-    _q("int8", "int8 sym RTN, per channel", Format("int8", 8, -1, "rtn")),
-    _q("int8-gptq", "int8 sym GPTQ, per channel", Format("int8-gptq", 8, -1, "gptq")),
-    _q("int4-rtn-g128", "int4 RTN g128", Format("int4-rtn-g128", 4, 128, "rtn")),
-    _q("int4-gptq-g128", "int4 GPTQ g128", Format("int4-gptq-g128", 4, 128, "gptq")),
-    _q("int4-gptq-act-g128", "int4 GPTQ act-order g128", Format("int4-gptq-act-g128", 4, 128, "gptq", True)),
-    Row("int4-gguf", "GGUF Q4 codes packed, bf16", "bf16", gguf_int4_row),
-    Row("kv-int8", "fp32", "int8", float_row("float32", "int8")),
-    Row("kv-fp8", "fp32", "fp8_e4m3", float_row("float32", "fp8_e4m3")),
-    # more rows, with --only
-    _q("int8-asym", "int8 asym RTN, per channel", Format("int8-asym", 8, -1, "rtn", sym=False), False),
-    _q("int8-asym-gptq", "int8 asym GPTQ, per channel", Format("int8-asym-gptq", 8, -1, "gptq", sym=False), False),
-    _q("int8+kv-int8", "int8 sym RTN, per channel", Format("int8+kv-int8", 8, -1, "rtn", kv_dtype="int8"), False),
-    *(_q(f"int4-{m}-g{g}", f"int4 {m.upper()} g{g}", Format(f"int4-{m}-g{g}", 4, g, m), False)
-      for g in (32, 64) for m in ("rtn", "gptq")),
-)
-
-
-def registry() -> dict[str, Row]:
-    """Every row by name: ours, then those of other quantization modules that are importable."""
-    return {r.name: r for r in ROWS + extra_rows()}
-
-
-def extra_rows() -> tuple[Row, ...]:
-    """Rows of formats other modules add (W8A8 / dynamic INT8 / mixed INT4-INT8 in
-    `pdserve.quant.int8_bench`, QAT in `pdserve.quant.qat`), when they import: `--only` picks them."""
-    rows: list[Row] = []
-    try:
-        from pdserve.quant.int8_bench import FORMATS, build_format
-    except ImportError:
-        FORMATS = ()
-    ours = {r.name for r in ROWS}
-    for name in FORMATS:
-        if name not in ours and name != "int8-w8a16":  # that one is our int8 row
-            rows.append(Row(name, name, "fp32", weights_row(name, lambda ctx, n=name: build_format(
-                n, ctx.fp32, ctx.calibration())), default=False))
-    try:
-        from pdserve.quant.qat import QATConfig, qat_quantize
-    except ImportError:
-        return tuple(rows)
-    from pdserve.quant.spec import QuantSpec
-
-    def qat(ctx: RowContext) -> dict:
-        return qat_quantize(ctx.fp32, QATConfig(spec=QuantSpec(4, 128, sym=False))).weights
-    rows.append(Row("int4-qat-g128", "int4 QAT g128 (100 steps)", "fp32", weights_row("int4-qat-g128", qat),
-                    default=False))
-    return tuple(rows)
-
-
-def weights_row(name: str, make: Callable[[RowContext], dict]) -> Callable[[RowContext], Built]:
-    """A row from a function making the weight dict (RSS not measured: no checkpoint is written)."""
-    def build(ctx: RowContext) -> Built:
-        return Built(ctx.engine(ctx.fp32, weights=make(ctx), variant=name), None)
-    return build
-
-
-def select_rows(only: list[str] | None) -> list[Row]:
-    """The default rows, or `only` (fp32 first either way: it is the reference)."""
-    from pdserve.quant.spec import QuantError
-
-    rows = registry()
-    if not only:
-        return [r for r in rows.values() if r.default]
-    unknown = [n for n in only if n not in rows]
-    if unknown:
-        raise QuantError(f"--only: unknown row(s) {', '.join(unknown)} (known: {', '.join(rows)})")
-    return [rows["fp32"]] + [rows[n] for n in dict.fromkeys(only) if n != "fp32"]
-
-
-# ---- the run -------------------------------------------------------------------------------------
-
 @dataclass
 class Result:
     name: str
     weights: str
     kv: str
+    weight_format: str  # what the served engine's projections are (dense, int4, packed)
+    recipe: str  # the command that made the model ("" : the source file)
+    serve: str  # the engine flags it is served with, after --model
     bits_per_weight: float  # decoder projections as held by the model (scales, zeros, packings in)
     weight_mb: float  # every weight as held by the model (embedding, head once if tied, norms)
     rss_mb: float | None  # VmRSS of a fresh process serving the row after one request
@@ -280,7 +90,8 @@ class Result:
     kv_bytes_per_token: float
     kv_wire_bytes_per_token: float | None  # --kv-transfer: encoded blocks per token
     kv_transfer_s: float | None  # --kv-transfer: a 200-token prompt's KV through a KV store and back
-    build_s: float  # quantization / loading
+    make_s: float  # making the model (quantization, QAT, re-encoding; 0 for the source file)
+    build_s: float  # making and loading
     row_s: float  # the whole row, fresh-process RSS included
     skipped: str = ""  # why the row did not run
 
@@ -304,30 +115,31 @@ def build_suite(ref_engine, tokenizer, args: argparse.Namespace) -> Suite:
 
 
 def measure_row(row: Row, ctx: RowContext, suite: Suite, args: argparse.Namespace, log,
-                built: Built | None = None) -> Result:
-    """The row's result (`built`: its engine, when the reference already built it)."""
+                engine=None) -> Result:
+    """The row's result (`engine`: its engine, when the reference already built it)."""
     from pdserve.quant import accuracy
     from pdserve.runtime.kv_cache import kv_bytes_per_token
 
     start = time.perf_counter()
-    built = built or row.build(ctx)
+    model_path, make_s = row.model(ctx)
+    engine = engine or build_engine(row.flags(model_path))
     build_s = time.perf_counter() - start
-    engine = built.engine
     agreement = suite.reference.compare(engine)
-    log(f"{row.name}: built in {build_s:.1f} s, KL {agreement.kl:.5f}, top-1 {100 * agreement.top1:.2f} %")
+    log(f"{row.name}: built in {build_s:.1f} s ({make_s:.1f} s making the model), KL {agreement.kl:.5f}, "
+        f"top-1 {100 * agreement.top1:.2f} %")
     tasks = accuracy.task_score(engine, ctx.fp32.tokenizer, suite.tasks) if suite.tasks else None
     speed = accuracy.measure_speed(engine, rounds=args.speed_rounds)
     wire = accuracy.kv_transfer(engine) if args.kv_transfer else None
-    rss = accuracy.serving_rss(built.serve_flags() + thread_flags(args)) \
-        if args.rss == "fresh" and built.serve_flags else None
+    rss = accuracy.serving_rss(row.flags(model_path, RSS_BLOCKS) + thread_flags(args)) if args.rss == "fresh" else None
     model = engine.runner.model
     return Result(
-        row.name, row.weights, row.kv, accuracy.projection_bits(model), accuracy.weight_bytes(model) / 1e6,
+        row.name, row.weights, row.kv, engine.weight_format, " ".join(row.recipe), " ".join(row.serve),
+        accuracy.projection_bits(model), accuracy.weight_bytes(model) / 1e6,
         rss and rss["rss"] / 1e6, rss and (rss["rss"] - rss["rss_before_load"]) / 1e6,
         agreement.kl, agreement.top1, agreement.ppl, 0.0, agreement.positions,
         tasks.score if tasks else float("nan"), speed.tokens_per_s_1, speed.tokens_per_s_32, speed.ttft_200_s,
-        kv_bytes_per_token(engine.kv_cache), wire and wire.wire_bytes_per_token, wire and wire.seconds, build_s,
-        time.perf_counter() - start)
+        kv_bytes_per_token(engine.kv_cache), wire and wire.wire_bytes_per_token, wire and wire.seconds, make_s,
+        build_s, time.perf_counter() - start)
 
 
 def thread_flags(args: argparse.Namespace) -> list[str]:
@@ -336,26 +148,26 @@ def thread_flags(args: argparse.Namespace) -> list[str]:
 
 def skipped(row: Row, why: str) -> Result:
     nan = float("nan")
-    return Result(row.name, row.weights, row.kv, nan, nan, None, None, nan, nan, nan, nan, 0, nan, nan, nan, nan,
-                  nan, None, None, 0.0, 0.0, why)
+    return Result(row.name, row.weights, row.kv, "", " ".join(row.recipe), " ".join(row.serve), nan, nan, None,
+                  None, nan, nan, nan, nan, 0, nan, nan, nan, nan, nan, None, None, 0.0, 0.0, 0.0, why)
 
 
 def evaluate(ctx: RowContext, rows: list[Row], args: argparse.Namespace, log=print) -> tuple[list[Result], list]:
     """(one Result per row, the calibration curve): the fp32 row's engine is the reference."""
     results: list[Result] = []
     start = time.perf_counter()
-    ref_built = rows[0].build(ctx)
-    suite = build_suite(ref_built.engine, ctx.fp32.tokenizer, args)
+    ref_engine = build_engine(rows[0].flags(ctx.model_path))
+    suite = build_suite(ref_engine, ctx.fp32.tokenizer, args)
     log(f"held-out: {suite.positions} positions, tasks: {len(suite.tasks)} ({time.perf_counter() - start:.0f} s)")
     for row in rows:
-        built, ref_built = ref_built, None  # the reference's engine serves as the fp32 row, then goes
+        engine, ref_engine = ref_engine, None  # the reference's engine serves as the fp32 row, then goes
         try:
-            result = measure_row(row, ctx, suite, args, log, built)
+            result = measure_row(row, ctx, suite, args, log, engine)
         except RowUnavailable as e:
             log(f"{row.name}: skipped ({e})")
             results.append(skipped(row, str(e)))
             continue
-        built = None
+        engine = None
         gc.collect()  # the row's engine (its KV cache, quantized weights) before the next one
         result.ppl_delta_pct = 100 * (result.ppl / results[0].ppl - 1) if results else 0.0
         results.append(result)
@@ -374,16 +186,14 @@ class CurvePoint:
 
 
 def calibration_curve(ctx: RowContext, suite: Suite, samples: list[int], log) -> list[CurvePoint]:
-    """GPTQ INT4 g128 against the number of calibration rows (the first n rows of the same set)."""
-    fmt = Format("int4-gptq-g128", 4, 128, "gptq")
-    rows = ctx.calibration(max(samples))
+    """GPTQ INT4 g128 against the number of calibration rows (the first n rows of the same set),
+    each served as the table's int4-gptq-g128 row is."""
     points = []
     for n in samples:
-        start = time.perf_counter()
-        weights = quantized_weights(ctx.fp32, fmt, rows[:n])
-        quantize_s = time.perf_counter() - start
-        a = suite.reference.compare(ctx.engine(ctx.fp32, weights=weights, variant=f"curve-{n}"))
-        points.append(CurvePoint(min(n, len(rows)), a.kl, a.top1, a.ppl, quantize_s))
+        row = curve_row(n)
+        model_path, quantize_s = row.model(ctx)
+        a = suite.reference.compare(build_engine(row.flags(model_path)))
+        points.append(CurvePoint(n, a.kl, a.top1, a.ppl, quantize_s))
         log(f"curve: {n} rows, KL {a.kl:.5f}, top-1 {100 * a.top1:.2f} % ({quantize_s:.0f} s)")
     return points
 
@@ -442,8 +252,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_model_args(p)
     p.add_argument("--only", nargs="+", default=None, metavar="ROW",
-                   help="run only these rows (fp32, the reference, always runs); names as in the table, "
-                        "plus int8-asym, int8-asym-gptq, int8+kv-int8, int4-{rtn,gptq}-g{32,64}")
+                   help="run only these rows (fp32, the reference, always runs): the table's, or "
+                        + ", ".join(r.name for r in ROWS if not r.default))
+    p.add_argument("--qat-steps", type=int, default=QAT_STEPS, help="optimiser steps of the int4-qat-g128 row")
+    p.add_argument("--prebuilt", nargs="+", default=[], metavar="ROW=PATH",
+                   help="serve PATH as ROW's model instead of making it (e.g. int4-qat-g128=DIR written by "
+                        "`pdserve qat`, or your own checkpoint in a row's format); make_s is then 0")
     p.add_argument("--positions", type=int, default=2048, help="teacher-forced positions of held-out text")
     p.add_argument("--answer-tokens", type=int, default=96, help="longest held-out answer sampled from FP32")
     p.add_argument("--tasks", type=int, default=50, help="questions with known answers to ask (at most 50)")
@@ -462,6 +276,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-rounds", type=int, default=2, help="best of this many rounds of each speed figure")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path ('-': stdout)")
+
+
+def prebuilt_models(pairs: list[str], rows: list[Row]) -> dict[str, Path]:
+    """--prebuilt ROW=PATH ... as {row name: path}; a row not being run or a missing path is an error."""
+    from pdserve.quant.spec import QuantError
+
+    names, out = {r.name for r in rows}, {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or name not in names:
+            raise QuantError(f"--prebuilt {pair!r}: want ROW=PATH with ROW one of the rows run ({', '.join(names)})")
+        if not Path(path).expanduser().exists():
+            raise QuantError(f"--prebuilt {pair!r}: {path} does not exist")
+        out[name] = Path(path).expanduser()
+    return out
 
 
 def is_stories(checkpoint) -> bool:
@@ -513,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
         calib = args.calib or ("stories260k" if stories else "smollm2")
         samples = args.calib_samples or (128 if stories else 32)
         with tempfile.TemporaryDirectory(prefix="quant-eval-") as tmp:
-            ctx = RowContext(path, fp32, calib, samples, args.calib_seq_len, Path(tmp))
+            ctx = RowContext(path, fp32, calib, samples, args.calib_seq_len, Path(tmp), args.qat_steps,
+                             prebuilt_models(args.prebuilt, rows))
             results, curve = evaluate(ctx, rows, args, log=lambda m: print(m, file=sys.stderr, flush=True))
     except (QuantError, ModelLoadError) as e:
         print(f"pdserve quant-eval: error: {e}", file=sys.stderr)
