@@ -74,13 +74,14 @@ def test_packed_matmul_equals_f_linear_on_the_dequantized_weight(qtype, rows):
     assert bits <= (10.01 if qtype in (Q.Q8_0, Q.Q5_K) else 5.01), bits  # codes once, bf16 scales and zeros
 
 
-def test_rows_not_a_multiple_of_64_keep_their_own_copy_and_agree():
-    """96 output rows: the kernel packs the last 32 differently, so the layer keeps a copy of its
-    codes to dequantize from; both paths still multiply the file's weight."""
+def test_rows_not_a_multiple_of_the_kernels_blocks_keep_their_own_copy_and_agree():
+    """80 output rows, not a multiple of the kernel's blocks (64 rows with AVX-512, 32 with AVX2): it
+    packs the last ones differently, so the layer keeps a copy of its codes to dequantize from; both
+    paths still multiply the file's weight."""
     rng = np.random.default_rng(7)
-    raw = quantize(rng.standard_normal((96, 256)).astype(np.float32), Q.Q8_0)
+    raw = quantize(rng.standard_normal((80, 256)).astype(np.float32), Q.Q8_0)
     w = torch.from_numpy(dequantize(raw, Q.Q8_0))
-    lin = Int4Linear(int4_codes(parse_blocks(raw, int(Q.Q8_0), (96, 256))).for_dtype(torch.bfloat16))
+    lin = Int4Linear(int4_codes(parse_blocks(raw, int(Q.Q8_0), (80, 256))).for_dtype(torch.bfloat16))
     assert lin.nibbles is not None
     for rows in (1, 200):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()

@@ -170,16 +170,23 @@ def test_act_order_checkpoint_on_int4_follows_quant_linear(act_order_dir):
     assert engine(ck, "auto").weight_format == "int4"  # auto takes the checkpoint's 4-bit codes in bf16
     want = [s.output_ids for s in dense.generate(PROMPTS, GREEDY)]
     int4_weights = weights_for(ck, EngineConfig(dtype="bfloat16", weight_format="int4"))[0]
-    for prompt, out in zip(PROMPTS, want):  # teacher-forced on QuantLinear's greedy path
+    alone = [packed.generate([p], GREEDY)[0].output_ids for p in PROMPTS]
+    decisive = 0
+    for prompt, out, got in zip(PROMPTS, want, alone):  # teacher-forced on QuantLinear's greedy path
         ids, steps = prompt + out, slice(len(prompt) - 1, -1)
         a = sequence_logits(LlamaModel(ck.config, ck.weights), ids, kv_dtype="bfloat16").float()[steps]
         b = sequence_logits(LlamaModel(ck.config, int4_weights), ids, kv_dtype="bfloat16").float()[steps]
         diff = (a - b).abs().max()
         assert diff <= 2 ** -5 * a.abs().max()  # rounding, not a wrong permutation
+        # Where the top-2 margin exceeds twice the largest rounding difference, rounding cannot
+        # flip the token (bf16 kernels round differently per CPU: AVX2 and AVX-512 differ here).
         top2 = a.topk(2, dim=-1).values
-        assert ((top2[:, 0] - top2[:, 1]) > 2 * diff).all(), "a near-tie on the path: the token test is moot"
-    alone = [packed.generate([p], GREEDY)[0].output_ids for p in PROMPTS]
-    assert alone == want
+        sure = (top2[:, 0] - top2[:, 1]) > 2 * diff  # [steps]
+        assert torch.equal(b.argmax(-1)[sure], a.argmax(-1)[sure])
+        decisive += int(sure.sum())
+        first_tie = int((~sure).nonzero()[0]) if not sure.all() else len(out)
+        assert got[:first_tie] == out[:first_tie]  # free-running: identical up to the first near-tie
+    assert decisive >= 0.75 * sum(len(o) for o in want), "near-ties on most of the path: the test is moot"
     assert [s.output_ids for s in packed.generate(PROMPTS, GREEDY)] == alone  # batched = unbatched
 
 

@@ -125,7 +125,7 @@ class Int4Linear:
     """y = x @ W^T (+ b) with W as packed 4-bit codes; x in `dtype` (bf16 or fp16), any row count.
 
     The kernel's packing (one byte per two codes) is the only copy of the codes where its layout is
-    the one `_kernel_layout_known` checks (output rows a multiple of 64): steps of `dense_from_rows`
+    the one `kernel_block_rows` knows (output rows a multiple of its blocks): steps of `dense_from_rows`
     rows or more dequantize the weight from it and run a dense matmul. Elsewhere a second packing of
     ours (two codes a byte) is kept to dequantize from. Two planes (8-bit codes) run as one kernel
     call on [x, x]: the kernel sums both planes' products in fp32. With a column permutation
@@ -143,7 +143,8 @@ class Int4Linear:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
         # [P K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
-        own = n % 64 or not _kernel_layout_known()
+        block = kernel_block_rows()
+        own = block is None or n % block
         self.nibbles = codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4) if own else None  # [N, P K / 2] uint8
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
         self.zero = self.scales_and_zeros[..., 1].t()
@@ -181,16 +182,14 @@ class Int4Linear:
         if self.nibbles is not None:
             c = torch.stack([self.nibbles & 0x0F, self.nibbles >> 4], dim=-1).view(n, self.planes, k)
             return (c[:, 0] if self.planes == 1 else (c[:, 0] << 4) | c[:, 1]).float()
-        # The kernel's layout: blocks of 64 rows, per input column 32 bytes, byte j holding row j
-        # (low nibble) and row 32 + j (high nibble).
-        v = self.packed.view(n // 64, self.planes * k, 32)
+        # The kernel's layout (kernel_block_rows): blocks of B rows, per input column B / 2 bytes.
+        b = kernel_block_rows()
+        v = self.packed.view(n // b, self.planes * k, b // 2)
         if self.planes == 1:
-            lo, hi = v & 0x0F, v >> 4
+            t = unpack_kernel_nibbles(v)
         else:
             h, l = v[:, :k], v[:, k:]
-            lo, hi = (h << 4) | (l & 0x0F), (h & 0xF0) | (l >> 4)
-        # [N / 64, 2, K, 32] -> rows in order; the float conversion does the transposing copy.
-        t = torch.stack([lo, hi], dim=1).transpose(2, 3)
+            t = unpack_kernel_nibbles(h, (h << 4) | (l & 0x0F), (h & 0xF0) | (l >> 4))
         return t.to(torch.float32, memory_format=torch.contiguous_format).view(n, k)
 
     def dequantized(self) -> torch.Tensor:
@@ -242,16 +241,30 @@ def same_inputs(parts: Sequence[Int4Codes]) -> bool:
 
 
 @functools.cache
-def _kernel_layout_known() -> bool:
-    """Whether torch's int4 packing is the layout `Int4Linear.codes_f32` reads (checked once on
-    random codes; another torch or CPU build may pack differently, then a copy of ours is kept)."""
+def kernel_block_rows() -> int | None:
+    """Output rows per block of torch's CPU int4 packing where it is a layout `Int4Linear.codes_f32`
+    reads (None: another one, then a copy of ours is kept). torch packs by its kernel's vector width:
+    blocks of 64 rows with AVX-512, of 32 with AVX2; in both, per input column B / 2 bytes, byte j
+    holding row j (low nibble) and row B / 2 + j (high nibble). Checked once on random codes."""
     codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     v = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
     if v.dtype != torch.uint8 or v.numel() != codes.numel() // 2:
-        return False
-    v = v.view(2, 64, 32)
-    got = torch.stack([v & 0x0F, v >> 4], dim=1).transpose(2, 3).reshape(128, 64)
-    return torch.equal(got.to(torch.int32), codes)
+        return None
+    for rows in (64, 32):
+        got = unpack_kernel_nibbles(v.view(128 // rows, 64, rows // 2)).to(torch.int32, memory_format=torch.contiguous_format)
+        if torch.equal(got.view(128, 64), codes):
+            return rows
+    return None
+
+
+def unpack_kernel_nibbles(v: torch.Tensor, lo: torch.Tensor | None = None, hi: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """[N / B, K, B / 2] bytes of the kernel's packing (or their low / high nibbles, given) ->
+    [N / B, 2, B / 2, K] codes, rows in order once flattened: a transposed view, so that the caller's
+    conversion (to float32, contiguous) does the transposing copy."""
+    lo = v & 0x0F if lo is None else lo
+    hi = v >> 4 if hi is None else hi
+    return torch.stack([lo, hi], dim=1).transpose(2, 3)
 
 
 def weights_for(checkpoint, config) -> tuple[dict[str, torch.Tensor | Int4Codes], str]:
