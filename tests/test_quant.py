@@ -235,3 +235,17 @@ def test_checkpoint_whose_config_and_tensors_disagree_is_refused(tmp_path, tiny_
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"unsupported quant_method 'awq'"):
         load_checkpoint(tmp_path)
+
+
+def test_checkpoint_missing_a_scales_tensor_is_refused_by_name(tmp_path, tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    _write_autogptq_dir(tmp_path, tiny_llama, 4, 32, False)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    name = next(k for k in sorted(state) if k.endswith(".scales"))
+    del state[name]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        load_checkpoint(tmp_path)
+    message = str(err.value)
+    assert name in message and "\n" not in message, message
