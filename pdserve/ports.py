@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free now on `host`, none of `avoid`: ports already planned for other servers but not
+    yet bound (the kernel may hand a released port out again, and gRPC servers bind with
+    SO_REUSEPORT, so two of ours on one port would share connections silently)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def port_in_use(host: str, port: int) -> str | None:

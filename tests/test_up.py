@@ -164,6 +164,27 @@ def test_port_in_use() -> None:
     assert port_in_use("127.0.0.1", _free_port()) is None
 
 
+def test_plan_never_gives_two_children_one_port_even_when_the_kernel_repeats_one(monkeypatch) -> None:
+    # The kernel may hand a just-released port out again (scripted here: it offers the gateway's
+    # port and the kvstore's again); gRPC binds with SO_REUSEPORT, so a repeat would split one
+    # port's connections between two servers silently (a gateway call answered "Method not found").
+    import pdserve.ports
+
+    offers = iter([7001, 7000, 7001, 7002, 7001, 7003] + list(range(7004, 7100)))
+
+    class ScriptedSocket(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(offers))
+
+    monkeypatch.setattr(pdserve.ports.socket, "socket", ScriptedSocket)
+    args = build_parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--grpc-port", "7000",
+                                      "--http-port", "0"])
+    workers, gateway = plan(args)
+    ports = [int(spec.address.rsplit(":", 1)[1]) for spec in [*workers, gateway]]
+    assert len(set(ports)) == len(ports) == 5, ports
+    assert ports[:4] == [7001, 7002, 7003, 7004]  # the repeats were skipped, in order
+
+
 def test_supervisor_reports_a_dead_child_and_kills_stubborn_ones() -> None:
     sup = Supervisor(grace_s=0.5)
     stubborn = _python("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
