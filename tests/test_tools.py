@@ -1,4 +1,4 @@
-"""Tool calling (gateway.http.tools, tokenizers' tools=): against transformers, llguidance and the
+"""Tool calling (gateway.http.tools and tool_calls, tokenizers' tools=): against transformers, llguidance and the
 OpenAI SDK, on a small HF checkpoint with Qwen2.5's chat template written here.
 
 - rendering a tool conversation equals transformers' apply_chat_template(messages, tools=...);
@@ -22,9 +22,10 @@ import jsonschema
 import pytest
 
 from gateway.http.errors import ApiError
-from gateway.http.tools import (ContentDelta, ParsedOutput, ToolCall, ToolCallDelta, ToolCallParser, ToolRequest,
-                                delta_json, finish_reason_for, history_message, message_json, parse_tool_calls,
-                                parse_tools, structured_for, tags_are_tokens, template_tools)
+from gateway.http.tool_calls import (ContentDelta, ParsedOutput, ToolCall, ToolCallDelta, ToolCallParser, delta_json,
+                                     finish_reason_for, message_json, parse_tool_calls)
+from gateway.http.tools import (ToolRequest, history_message, parse_tools, structured_for, tags_are_tokens,
+                                template_tools)
 from gateway.prompts import prompt_chars, tokenize_chat
 from pdserve.runtime.gguf_reader import load_gguf_tokenizer
 from pdserve.runtime.structured_output import grammar_text

@@ -52,7 +52,7 @@ from gateway.http.errors import ApiError, api_error_of, json_dumps, public_messa
 from gateway.http.openai_responses import (ChoiceOutput, chunk_json, completion_json, system_fingerprint, total_usage,
                                            usage_chunk_json)
 from gateway.http.openai_schema import ApiRequest, parse_chat, parse_completion, with_tools
-from gateway.http.tools import delta_json
+from gateway.http.tool_calls import delta_json
 from gateway.http.sse import SSEWriter
 from gateway.observe import RequestObserver, observe_request
 from gateway.output import OutputChunk, TokenTexts, Usage

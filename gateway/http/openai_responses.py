@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.http.openai_schema import ApiRequest
-from gateway.http.tools import Delta, ParsedOutput, ToolCallParser, finish_reason_for, message_json
+from gateway.http.tool_calls import Delta, ParsedOutput, ToolCallParser, finish_reason_for, message_json
 from gateway.output import LogprobText, OutputChunk, TokenTexts, Usage
 from pdserve import __version__
 
@@ -139,7 +139,7 @@ def chunk_json(api: ApiRequest, model: str, fingerprint: str, *, index: int = 0,
                role: bool = False, finish_reason: str | None = None,
                logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk with one choice: the role (chat), a text delta (with its tokens'
-    logprobs when asked), a chat `delta` as given (tool calls: gateway.http.tools.delta_json), or
+    logprobs when asked), a chat `delta` as given (tool calls: gateway.http.tool_calls.delta_json), or
     the finish reason."""
     reason = finish_reason_json(finish_reason) if finish_reason else None
     if api.kind == "chat":
