@@ -137,7 +137,11 @@ async def start_server(
     telemetry.configure(service, process.traces, process.traces_protocol)
     start_metrics_http(process.metrics_port, process.metrics_host or bind_host(bind), service)
     access = [] if public else internal_auth.server_interceptors(process.internal_token)
-    server = grpc.aio.server(options=message_size_options(max_message_bytes, max_receive_bytes),
+    # Without SO_REUSEPORT (grpc's default is on) a second server on a taken port fails to bind,
+    # loudly, instead of silently taking half its connections; another local process of the same
+    # user can no longer listen on our port beside us and answer our clients.
+    options = [*message_size_options(max_message_bytes, max_receive_bytes), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=options,
                              interceptors=[*telemetry.server_interceptors(process.tracing), *access, *interceptors,
                                            DecodeErrorInterceptor()])
     add_servicers(server)

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
 
+# Every port free_port has handed out in this process: such a port is planned for a server that
+# has not bound it yet, and the kernel may offer it again once released. gRPC servers bind with
+# SO_REUSEPORT, so two of ours given one port would both start and split its connections silently.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+_OFFERS_BEFORE_GIVING_UP = 10_000  # the kernel's offers are random: a bound, never a spin
+
+
 def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
-    """A port free now on `host`, none of `avoid`: ports already planned for other servers but not
-    yet bound (the kernel may hand a released port out again, and gRPC servers bind with
-    SO_REUSEPORT, so two of ours on one port would share connections silently)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in avoid:
-            return port
+    """A port free now on `host`, never one this process handed out before, nor one of `avoid`
+    (fixed ports the caller plans to bind, e.g. the gateway's --grpc-port)."""
+    with _handed_out_lock:
+        for _ in range(_OFFERS_BEFORE_GIVING_UP):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out and port not in avoid:
+                _handed_out.add(port)
+                return port
+    raise OSError(f"no free port on {host} that this process has not handed out already "
+                  f"({len(_handed_out)} handed out): the ephemeral range is nearly used up")
 
 
 def port_in_use(host: str, port: int) -> str | None:

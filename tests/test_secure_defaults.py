@@ -157,3 +157,23 @@ def test_secrets_command_creates_compose_secrets_once(tmp_path) -> None:
     assert values[0] not in first.stdout and values[1] not in first.stdout
     again = subprocess.run([*run, "--mode", "644"], capture_output=True, text=True, timeout=60)
     assert "exists, kept" in again.stdout and (token.read_text(), key.read_text()) == values
+
+
+def test_a_second_grpc_server_on_a_taken_port_fails_to_bind_instead_of_sharing_it() -> None:
+    # grpc binds with SO_REUSEPORT unless told not to: a second listener (ours planned wrong, or
+    # another local process) would silently take part of the first one's connections.
+    import asyncio
+
+    from pdserve.grpc_server import start_server, stop_server
+
+    async def both() -> str:
+        first, port = await start_server("127.0.0.1:0", lambda s: None, ["pdserve.v1.Probe"])
+        try:
+            await start_server(f"127.0.0.1:{port}", lambda s: None, ["pdserve.v1.Probe"])
+        except OSError as err:
+            return str(err)
+        finally:
+            await stop_server(first, grace_s=0)
+        return "bound twice"
+
+    assert "cannot bind gRPC server to '127.0.0.1:" in asyncio.run(both())

@@ -164,6 +164,21 @@ def test_port_in_use() -> None:
     assert port_in_use("127.0.0.1", _free_port()) is None
 
 
+def test_free_port_never_hands_out_a_port_twice_in_one_process(monkeypatch) -> None:
+    import pdserve.ports
+
+    offers = iter([7100, 7100, 7101, 7100, 7101, 7102, 7103])
+
+    class ScriptedSocket(socket.socket):  # the kernel, scripted to offer released ports again
+        def getsockname(self):
+            return ("127.0.0.1", next(offers))
+
+    monkeypatch.setattr(pdserve.ports.socket, "socket", ScriptedSocket)
+    monkeypatch.setattr(pdserve.ports, "_handed_out", set())
+    assert [pdserve.ports.free_port(), pdserve.ports.free_port(), pdserve.ports.free_port(avoid=[7102])] == \
+        [7100, 7101, 7103]
+
+
 def test_plan_never_gives_two_children_one_port_even_when_the_kernel_repeats_one(monkeypatch) -> None:
     # The kernel may hand a just-released port out again (scripted here: it offers the gateway's
     # port and the kvstore's again); gRPC binds with SO_REUSEPORT, so a repeat would split one
@@ -177,6 +192,7 @@ def test_plan_never_gives_two_children_one_port_even_when_the_kernel_repeats_one
             return ("127.0.0.1", next(offers))
 
     monkeypatch.setattr(pdserve.ports.socket, "socket", ScriptedSocket)
+    monkeypatch.setattr(pdserve.ports, "_handed_out", set())  # this test's ports only
     args = build_parser().parse_args(["up", "--prefill", "1", "--decode", "2", "--grpc-port", "7000",
                                       "--http-port", "0"])
     workers, gateway = plan(args)
@@ -259,3 +275,17 @@ def test_up_serves_and_stops_cleanly_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_free_port_gives_up_with_a_clear_error_when_every_offer_was_handed_out(monkeypatch) -> None:
+    import pdserve.ports
+
+    class SameOfferSocket(socket.socket):  # a kernel that only ever offers one port
+        def getsockname(self):
+            return ("127.0.0.1", 7100)
+
+    monkeypatch.setattr(pdserve.ports.socket, "socket", SameOfferSocket)
+    monkeypatch.setattr(pdserve.ports, "_handed_out", {7100})
+    monkeypatch.setattr(pdserve.ports, "_OFFERS_BEFORE_GIVING_UP", 5)
+    with pytest.raises(OSError, match="ephemeral range is nearly used up"):
+        pdserve.ports.free_port()

@@ -179,8 +179,8 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     args.dtype, args.kv_dtype = resolved_dtypes(args.dtype, args.kv_dtype)
     loopback = "127.0.0.1"
     drain_env = _drain_env(args, os.environ)
-    planned = {args.grpc_port, args.http_port}  # the gateway's, chosen by the caller, bound later
-    kv = f"{loopback}:{_planned_port(planned)}"
+    gateway_ports = (args.grpc_port, args.http_port)  # bound later, by the gateway
+    kv = f"{loopback}:{free_port(avoid=gateway_ports)}"
     model = ("--model", args.model) if args.model else ()
     engine = (*model, "--dtype", args.dtype, "--weight-format", args.weight_format,
               "--dense-prefill-copy", args.dense_prefill_copy,
@@ -192,7 +192,7 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
         "--kv-backend", args.kv_backend))]
     for kind, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
-            addr = f"{loopback}:{_planned_port(planned)}"
+            addr = f"{loopback}:{free_port(avoid=gateway_ports)}"
             extra = _decode_flags(args) if kind == "decode" else ()
             extra += _parallel_flags(args, kind)
             workers.append(ChildSpec(f"{kind}-{i}", addr, pdserve_command(
@@ -209,13 +209,6 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     if args.metrics_port_base:
         workers, gateway = _with_metrics_ports([*workers, gateway], args.metrics_port_base)
     return _with_cluster_secrets(workers, _with_gateway_surface(args, gateway), getattr(args, "internal_token", True))
-
-
-def _planned_port(planned: set[int]) -> int:
-    """A free port for one more child, distinct from every port already planned (added to them)."""
-    port = free_port(avoid=planned)
-    planned.add(port)
-    return port
 
 
 def gateway_settings(args: argparse.Namespace):  # -> gateway.config.GatewayConfig
