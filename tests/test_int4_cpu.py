@@ -87,9 +87,9 @@ def test_a_kept_dense_copy_changes_no_output_bit(planes):
         assert torch.equal(kept(x), plain(x)), rows
 
 
-def test_int4_needs_reduced_precision_on_the_cpu():
-    with pytest.raises(ConfigError, match="--weight-format int4 runs on the CPU with --dtype bfloat16"):
-        EngineConfig(weight_format="int4", dtype="float32")
+def test_int4_runs_on_the_cpu_only():
+    with pytest.raises(ConfigError, match="--weight-format int4 runs on the CPU, not on cuda"):
+        EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
     assert EngineConfig(weight_format="auto", dtype="float32").weight_format == "auto"  # auto never refuses
 
 
@@ -101,10 +101,12 @@ def _engine(checkpoint, weight_format: str) -> Engine:
                                                            dtype="bfloat16", weight_format=weight_format))
 
 
-def test_auto_takes_the_files_codes_in_bf16_and_dense_in_float32(smollm2_bf16):
+def test_auto_takes_the_files_codes_in_bf16_and_dense_in_fp32_or_on_a_gpu(smollm2_bf16):
     assert _engine(smollm2_bf16, "auto").weight_format == "int4"
-    config = EngineConfig(cache=CacheConfig(num_blocks=8), dtype="float32", weight_format="auto")
+    config = EngineConfig(cache=CacheConfig(num_blocks=8), dtype="bfloat16", weight_format="auto", device="cuda")
     assert weights_for(smollm2_bf16, config)[1] == "dense"
+    config = EngineConfig(cache=CacheConfig(num_blocks=8), dtype="float32", weight_format="auto")
+    assert weights_for(smollm2_bf16, config)[1] == "dense"  # fp32 int4 only when asked for
     from pdserve.runtime.loader import load_checkpoint
 
     stories = load_checkpoint(STORIES_GGUF, dtype=torch.bfloat16)  # float32 tensors in the file: no codes
@@ -131,9 +133,12 @@ def test_int4_model_follows_the_dense_model_on_the_same_codes(smollm2_bf16):
         _engine(ck, "dense").generate([ids], greedy)[0].output_ids[:3]
 
 
-def test_int4_batched_equals_unbatched(smollm2_bf16):
-    engine = _engine(smollm2_bf16, "int4")
-    tok = smollm2_bf16.tokenizer
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # torch's kernel; ours (cpu_int4_matmul)
+def test_int4_batched_equals_unbatched(request, dtype):
+    checkpoint = request.getfixturevalue("smollm2_bf16" if dtype == "bfloat16" else "smollm2")
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=64, dtype=dtype),
+                                                             dtype=dtype, weight_format="int4"))
+    tok = checkpoint.tokenizer
     prompts = [tok.encode(p) for p in ("Write a haiku about the sea.", "What is 2 + 2?", "Name three colours:")]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = [engine.generate([p], greedy)[0].output_ids for p in prompts]

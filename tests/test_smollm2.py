@@ -50,7 +50,9 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    e = Engine.from_checkpoint(smollm2, EngineConfig(cache=CacheConfig(num_blocks=256)))
+    # Dense: our model code against transformers on the same fp32 weights (auto would serve the
+    # file's 4-bit codes with int8-quantized inputs, tested against this dense model elsewhere).
+    e = Engine.from_checkpoint(smollm2, EngineConfig(cache=CacheConfig(num_blocks=256), weight_format="dense"))
     yield e
     e.check_leaks()
 

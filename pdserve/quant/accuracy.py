@@ -333,8 +333,8 @@ def kv_transfer(engine, prompt_len: int = 200, rounds: int = 3) -> KVTransfer:
 
 # ---- memory --------------------------------------------------------------------------------------
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
 
 
 def weight_bytes(model) -> int:

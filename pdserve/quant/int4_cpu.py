@@ -8,7 +8,10 @@ hand-written kernel is needed. It is fast with bf16 (or fp16) activations, slow 
 slower than a dense bf16 matmul from about 16-32 rows on (it dequantizes per row tile). Over a
 whole SmolLM2 decode step it wins up to 16 streams and loses a few percent at 32 (the step's other
 costs hide the matmuls), at a quarter of the memory: `--weight-format auto` takes it where the
-file's projections are 4-bit already and the compute is bf16/fp16 on a CPU.
+file's projections are 4-bit already and the compute is bf16/fp16 on a CPU. With fp32 activations
+(`--weight-format int4 --dtype float32`, for a CPU without native bf16) one-plane codes run our C
+kernel instead (runtime.kernels.cpu_int4_matmul: inputs quantized to int8 per group of 32, integer
+dot products, as llama.cpp runs Q4_1), on our packing only.
 
 Codes come from the GGUF file itself where its tensors are 4-bit (Q4_0, Q4_1, Q4_K: read by
 pdserve.quant.gguf_packed), re-packed once at load: the same codes llama.cpp runs, with the scales
@@ -30,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdserve.runtime.kernels import cpu_int4_matmul
+
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
 ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 # From this many rows on (a prefill chunk), dequantizing the weight and running a dense matmul beats
@@ -39,6 +44,9 @@ ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 # --crossover 32,48,64,96,128,160`, quiet machine).
 DENSE_FROM_ROWS = 128
 DENSE_FROM_ROWS_TWO_PLANES = 48
+# fp32 activations run our C kernel (runtime.kernels.cpu_int4_matmul): its cost grows with every row
+# faster than a dense fp32 matmul's, which it beats for few rows by reading an eighth of the bytes.
+DENSE_FROM_ROWS_F32 = 128
 
 
 def shape_problem(out_features: int, in_features: int) -> str | None:
@@ -133,24 +141,32 @@ class Int4Linear:
     input, and `dequantized()` is the weight in that permuted column order."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "perm")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
         dtype, p = codes.act_dtype, codes.planes
         if pk % (GROUP * p):
             raise ValueError(f"int4 weights need input features divisible by {GROUP}, got {pk // p}")
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
+        # fp32 activations with one plane: our C kernel, on our packing (torch's kernel is slow in fp32).
+        ours = dtype == torch.float32 and p == 1 and cpu_int4_matmul.available()
+        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours runs every call).
+        self.packed = None if ours else torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
         # [P K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         block = kernel_block_rows()
-        own = block is None or n % block
+        own = ours or block is None or n % block
         self.nibbles = codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4) if own else None  # [N, P K / 2] uint8
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
         self.zero = self.scales_and_zeros[..., 1].t()
+        # [N, K / 32] fp32: w = q * scale + mins, the C kernel's form of (q - 8) * scale + zero.
+        self.mins = (self.zero - 8 * self.scale).contiguous() if ours else None
+        if ours:
+            self.scale = self.scale.contiguous()
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features, self.in_features, self.dtype, self.planes = n, pk // p, dtype, p
-        self.dense_from_rows = DENSE_FROM_ROWS if p == 1 else DENSE_FROM_ROWS_TWO_PLANES
+        self.dense_from_rows = (DENSE_FROM_ROWS_F32 if ours else DENSE_FROM_ROWS if p == 1
+                                else DENSE_FROM_ROWS_TWO_PLANES)
         self.dense: torch.Tensor | None = None  # [out, in]: `dequantized()` kept (keep_dense_copy)
         self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
@@ -172,6 +188,9 @@ class Int4Linear:
             x = permute_columns(x, self.perm)
         if x.shape[0] >= self.dense_from_rows:
             return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)
+        if self.mins is not None:
+            y = cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins)  # [M, out]
+            return y if self.bias is None else y + self.bias
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
@@ -218,19 +237,20 @@ class Int4Linear:
 
     @property
     def nbytes(self) -> int:
-        ts = [self.packed, self.scales_and_zeros] + [t for t in (self.nibbles, self.bias, self.dense, self.perm)
-                                                     if t is not None]
+        ts = [self.scales_and_zeros] + [t for t in (self.packed, self.nibbles, self.bias, self.dense, self.perm,
+                                                    self.mins) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
 def permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """x[:, perm] of a 2-D x of a 2-byte dtype (bf16 / fp16): [M, K] -> [M, K], exact.
+    """x[:, perm] of a 2-D x of a 2- or 4-byte float dtype: [M, K] -> [M, K], exact.
 
-    One row: index_select, the quickest there. More: gather on the bits as int16, about 1.5-2x
+    One row: index_select, the quickest there. More: gather on the bits as integers, about 1.5-2x
     index_select along the last dim from 4-8 rows on (K = 576, 1 thread)."""
     if x.shape[0] == 1:
         return x.index_select(-1, perm)
-    return torch.gather(x.view(torch.int16), -1, perm.expand(x.shape[0], -1)).view(x.dtype)
+    bits = torch.int16 if x.element_size() == 2 else torch.int32
+    return torch.gather(x.view(bits), -1, perm.expand(x.shape[0], -1)).view(x.dtype)
 
 
 def same_inputs(parts: Sequence[Int4Codes]) -> bool:

@@ -13,10 +13,10 @@ KV_DTYPE_NAMES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3")
 # `resolve_compute_dtype`: bfloat16 on a GPU or where the CPU runs it natively, else float32.
 COMPUTE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # --weight-format values: projections as dense float matrices, or as the GGUF file's codes packed
-# for torch's CPU int4 kernel (bf16/fp16 compute only): int4 (Q4_0/Q4_1/Q4_K codes, pdserve.quant.int4_cpu)
+# for the CPU int4 kernels (torch's in bf16/fp16, ours in fp32): int4 (Q4_0/Q4_1/Q4_K codes, pdserve.quant.int4_cpu)
 # or packed (also Q8_0/Q5_K as two 4-bit planes, Q6_K dequantized; pdserve.quant.gguf_packed);
 # auto: int4 when every projection is Q4_0/Q4_1, packed when all are packable, dense otherwise,
-# and only when the compute runs in bf16/fp16 on the CPU.
+# and only when the compute runs in bf16/fp16 on the CPU (int4 in fp32 is taken when asked for).
 WEIGHT_FORMATS = ("auto", "dense", "int4", "packed")
 PACKED_WEIGHT_FORMATS = ("int4", "packed")
 
@@ -137,7 +137,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"unknown weight format {self.weight_format!r} (one of {', '.join(WEIGHT_FORMATS)})")
-        if self.weight_format in PACKED_WEIGHT_FORMATS and (self.dtype not in ("bfloat16", "float16")
-                                                            or not self.device.startswith("cpu")):
-            raise ConfigError(f"--weight-format {self.weight_format} runs on the CPU with --dtype bfloat16 or float16 "
-                              f"(its kernel is slow in float32), not --dtype {self.dtype} on {self.device}")
+        if self.weight_format in PACKED_WEIGHT_FORMATS and not self.device.startswith("cpu"):
+            raise ConfigError(f"--weight-format {self.weight_format} runs on the CPU, not on {self.device}")
+        if self.weight_format == "packed" and self.dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"--weight-format packed runs with --dtype bfloat16 or float16 (torch's kernel for its "
+                              f"two-plane codes is slow in float32), not --dtype {self.dtype}; --weight-format int4 "
+                              f"runs in float32 too")

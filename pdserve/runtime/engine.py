@@ -159,9 +159,11 @@ class Engine:
                         speculative: SpeculativeConfig | None = None) -> "Engine":
         """An engine on `checkpoint`'s weights, its projections packed as `config.weight_format` says."""
         from pdserve.quant.int4_cpu import weights_for
+        from pdserve.quant.q8_head import pack_head
 
         config = config or EngineConfig()
         weights, weight_format = weights_for(checkpoint, config)
+        weights = pack_head(weights, checkpoint, config, weight_format)
         engine = cls(checkpoint.config, weights, fingerprint or checkpoint.fingerprint, config,
                      tokenizer=checkpoint.tokenizer, speculative=speculative)
         engine.weight_format = weight_format

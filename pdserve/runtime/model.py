@@ -208,8 +208,12 @@ class LlamaModel:
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [N] -> embeddings [N, D] (a vocabulary-parallel rank overrides it)."""
-        return F.embedding(input_ids, self.embed)
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(input_ids, self.embed)
+        return self.embed.embedding(input_ids)  # 8-bit codes (pdserve.quant.q8_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, D] -> logits [S, V] in fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        if isinstance(self.lm_head, torch.Tensor):
+            return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden)  # 8-bit codes (pdserve.quant.q8_head)

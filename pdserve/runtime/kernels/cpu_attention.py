@@ -7,7 +7,8 @@ blocks; the softmax between them is torch's. Built once per machine with the sys
 (about a second; no torch headers) into a cache directory, loaded with ctypes, which releases the
 GIL during the call. Where no compiler is found or the build fails, `paged_decode_attention`
 returns None and the caller runs the torch path (one log line says why). The same library holds the
-INT8 KV write (kernels/cpu/kv_write.c, called through `cpu_kv_write`).
+INT8 KV write (kernels/cpu/kv_write.c, called through `cpu_kv_write`) and the 4-bit weight
+matmul for fp32 activations (kernels/cpu/int4_matmul.c, through `cpu_int4_matmul`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # One library from both sources (one build, one cache entry, one portable file): the INT8 KV write
-# (kv_write.c, loaded by cpu_kv_write) ships with the decode attention that reads what it writes.
-SOURCES = (SOURCE, SOURCE.with_name("kv_write.c"))
+# (kv_write.c, loaded by cpu_kv_write) ships with the decode attention that reads what it writes;
+# the int4 matmul (int4_matmul.c, cpu_int4_matmul) with them, one build for the CPU's kernels.
+SOURCES = (SOURCE, SOURCE.with_name("kv_write.c"), SOURCE.with_name("int4_matmul.c"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 _QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -45,6 +47,14 @@ _VALUES_ARGS = [ctypes.c_void_p, ctypes.c_void_p] + _TABLE_ARGS
 # cache, k, v; k and v row strides; slots; n, num_blocks, kv_heads, dim, block_size, block_stride, layer_offset
 _KV_WRITE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
 KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
+# x, m, k, x_stride, xq, xd, xsum, in_order
+_Q8_QUANTIZE_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+# codes, scale, mins, n0, n1, k, xq, xd, xsum, m, y, y_stride
+_INT4_MATMUL_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64,
+                                                                                          ctypes.c_void_p, ctypes.c_int64]
+# codes, scale, n0, n1, k, xq, xd, m, y, y_stride
+_INT8_MATMUL_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64,
+                                                                                          ctypes.c_void_p, ctypes.c_int64]
 
 
 def cache_dir() -> Path:
@@ -134,6 +144,9 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"paged_values_{query}_{cache}").argtypes = _VALUES_ARGS
     for inputs in KV_WRITE_INPUTS:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
+    lib.q8_quantize_groups.argtypes, lib.q8_quantize_groups.restype = _Q8_QUANTIZE_ARGS, None
+    lib.int4_matmul_q8.argtypes, lib.int4_matmul_q8.restype = _INT4_MATMUL_ARGS, None
+    lib.int8_matmul_q8.argtypes, lib.int8_matmul_q8.restype = _INT8_MATMUL_ARGS, None
     return lib
 
 
@@ -185,29 +198,30 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
         getattr(lib, f"paged_values_{suffix}")(probs.data_ptr() + b0 * h * t_pad * 4, out.data_ptr() + b0 * h * d * es,
                                                *table_args(b0, b1, (2 * layer + 1) * chunk))
 
-    _split_over_threads(scores_of, b)
+    split_over_threads(scores_of, b, MIN_SEQUENCES_PER_THREAD)
     torch.softmax(scores, dim=-1, out=probs)  # on this thread: torch ops stay off the pool's threads
-    _split_over_threads(values_of, b)
+    split_over_threads(values_of, b, MIN_SEQUENCES_PER_THREAD)
     return out
 
 
-# Sequences split over torch's thread count: ctypes lets go of the GIL during a call, so the
-# calling thread runs the first part while pool threads run the others. Only the C calls run on
-# the pool (a torch op there would start another OpenMP team: pdserve.runtime.compute_threads).
+# Work split over torch's thread count: ctypes lets go of the GIL during a call, so the calling
+# thread runs the first part while pool threads run the others. Only the C calls run on the pool
+# (a torch op there would start another OpenMP team: pdserve.runtime.compute_threads).
 MIN_SEQUENCES_PER_THREAD = 4
 _pool: ThreadPoolExecutor | None = None
 
 
-def _split_over_threads(run, batch: int) -> None:
-    """run(b0, b1) over [0, batch) in up to torch.get_num_threads() parts, the first on this thread."""
+def split_over_threads(run, total: int, min_per_part: int, align: int = 1) -> None:
+    """run(i0, i1) over [0, total) in up to torch.get_num_threads() parts of at least `min_per_part`
+    items (bounds multiples of `align`), the first part on this thread."""
     global _pool
-    parts = max(1, min(torch.get_num_threads(), batch // MIN_SEQUENCES_PER_THREAD))
+    parts = max(1, min(torch.get_num_threads(), total // min_per_part))
     if parts == 1:
-        run(0, batch)
+        run(0, total)
         return
     if _pool is None or _pool._max_workers < parts - 1:
-        _pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="paged-attention")
-    bounds = [batch * i // parts for i in range(parts + 1)]
+        _pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="cpu-kernels")
+    bounds = [min(total, total * i // parts // align * align) for i in range(parts)] + [total]
     futures = [_pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
     run(bounds[0], bounds[1])
     for f in futures:

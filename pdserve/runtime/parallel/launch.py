@@ -199,6 +199,8 @@ def tensor_parallel_engine(model_path, engine_config: EngineConfig, parallel: Pa
     if engine_config.device.startswith("cpu"):
         torch.set_num_threads(threads)
     engine_config = replace(engine_config, cuda_graph=False)  # graphs capture one device's whole model
+    if engine_config.weight_format == "auto":  # ranks split dense (and GPTQ) weights, not packed codes
+        engine_config = replace(engine_config, weight_format="dense")
     ranks = start_followers(model_path, engine_config, parallel, threads, log_level)
     try:
         checkpoint = load_checkpoint(model_path, dtype=getattr(torch, engine_config.dtype))

@@ -1,0 +1,199 @@
+// 4-bit weights times fp32 activations on the CPU (pdserve.runtime.kernels.cpu_int4_matmul).
+//
+// Why hand-written: torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) is fast with bf16 /
+// fp16 activations only; on a CPU without native bf16 (AVX2: the compute dtype is fp32 there) it is
+// slower than the dense fp32 matmul, which reads 8x the bytes. Decoding a few streams is bound by
+// those bytes, so this does what llama.cpp does for Q4_1 weights: each input row is quantized to
+// int8 per group of 32 (one fp32 scale a group), and each (output row, group) is an integer dot
+// product of 4-bit codes with the int8 inputs, scaled once:
+//
+//   w[n, k] = q[n, k] * scale[n, g] + min[n, g]      (q in 0..15, g = k / 32; min = zero - 8 scale)
+//   x[m, k] ~ xq[m, k] * xd[m, g]                    (xq in -127..127, round half to even)
+//   y[m, n] = sum_g scale[n, g] * xd[m, g] * sum_{k in g} q[n, k] xq[m, k] + min[n, g] * xsum[m, g]
+//
+// xsum is the exact fp32 sum of the group's inputs. The only error beside fp32 rounding is the
+// inputs' quantization: |y - x w^T| <= sum_g |scale[n, g]| * xd[m, g] / 2 * sum_{k in g} q[n, k].
+//
+// 8-bit weights (int8_matmul_q8: a GGUF's Q8_0 output head) are the same sums with signed codes
+// q in -127..127 and no min: w[n, k] = q[n, k] * scale[n, g]; codes [N, K] int8, in input order.
+//
+// Layouts: codes [N, K / 2] bytes, byte j of a row holding code 2j (low nibble) and 2j + 1 (high),
+// as Int4Linear.nibbles keeps them; scale, min [N, K / 32] fp32; x [M, K] fp32 with row stride;
+// y [M, N] fp32 with row stride. The integer dot runs on a group's codes unpacked as [its 16 even
+// codes | its 16 odd codes], so xq is written in that order too (q8_quantize_groups).
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define INT4_AVX2 1
+#endif
+
+#define GROUP 32
+#define QMAX 127.0f
+
+// Inputs [M, K] -> xq [M, K] int8 (each group's even inputs, then its odd ones; in input order where
+// `in_order`, for 8-bit codes), xd and xsum [M, K / 32].
+void q8_quantize_groups(const float* x, int64_t m, int64_t k, int64_t x_stride, int8_t* xq, float* xd,
+                        float* xsum, int64_t in_order) {
+    const int64_t groups = k / GROUP;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float* v = x + r * x_stride + g * GROUP;
+            float amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+                sum += v[i];
+            }
+            const float d = amax / QMAX;
+            const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t* out = xq + r * k + g * GROUP;
+            if (in_order) {
+                for (int i = 0; i < GROUP; i++) out[i] = (int8_t)(int32_t)rintf(v[i] * inv);
+            } else {
+                for (int i = 0; i < GROUP / 2; i++) {
+                    out[i] = (int8_t)(int32_t)rintf(v[2 * i] * inv);
+                    out[GROUP / 2 + i] = (int8_t)(int32_t)rintf(v[2 * i + 1] * inv);
+                }
+            }
+            xd[r * groups + g] = d;
+            xsum[r * groups + g] = sum;
+        }
+    }
+}
+
+// sum_g a[g] * b[g] over `groups` values.
+static inline float dot_f32(const float* a, const float* b, int64_t groups) {
+    float s = 0.0f;
+    for (int64_t g = 0; g < groups; g++) s += a[g] * b[g];
+    return s;
+}
+
+#ifdef INT4_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One group's 16 code bytes -> 32 unsigned bytes: [low nibbles (even codes) | high nibbles (odd)].
+static inline __m256i unpack_group(const uint8_t* codes) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)codes);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+}
+
+// y for NR output rows [n, n + NR) and MT input rows [r, r + MT): NR x MT vector accumulators.
+// Inlined with constant NR, MT and BITS (the switch below), so they stay in registers. BITS 8: codes
+// are int8 [N, K], mins and xsum unused, and xq is in input order.
+static inline __attribute__((always_inline)) void tile(const uint8_t* codes, const float* scale, const float* mins,
+                                                       int64_t n, int nr, int64_t k, const int8_t* xq,
+                                                       const float* xd, const float* xsum, int64_t r, int mt,
+                                                       float* y, int64_t y_stride, int bits) {
+    const int64_t groups = k / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][4];
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < mt; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i w[2];
+        __m256 ws[2];
+        for (int i = 0; i < nr; i++) {
+            w[i] = bits == 4 ? unpack_group(codes + (n + i) * (k / 2) + g * (GROUP / 2))
+                             : _mm256_loadu_si256((const __m256i*)(codes + (n + i) * k + g * GROUP));
+            ws[i] = _mm256_set1_ps(scale[(n + i) * groups + g]);
+        }
+        for (int j = 0; j < mt; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r + j) * k + g * GROUP));
+            const __m256 xs = _mm256_set1_ps(xd[(r + j) * groups + g]);
+            for (int i = 0; i < nr; i++) {
+                // u8 x s8 pairs summed to int16 (at most 2 * 127 * 127: no saturation), then to int32.
+                // Signed 8-bit codes: |w| times x with w's sign, as maddubs takes one unsigned operand.
+                const __m256i u = bits == 4 ? w[i] : _mm256_sign_epi8(w[i], w[i]);
+                const __m256i s = bits == 4 ? xv : _mm256_sign_epi8(xv, w[i]);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(ws[i], xs), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < mt; j++)
+            y[(r + j) * y_stride + n + i] =
+                hsum256(acc[i][j]) + (bits == 4 ? dot_f32(mins + (n + i) * groups, xsum + (r + j) * groups, groups) : 0.0f);
+}
+
+#define TILE(NR, MT) \
+    (bits == 4 ? tile(codes, scale, mins, n, NR, k, xq, xd, xsum, r, MT, y, y_stride, 4) \
+               : tile(codes, scale, mins, n, NR, k, xq, xd, xsum, r, MT, y, y_stride, 8))
+
+static void tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr, int64_t k,
+                          const int8_t* xq, const float* xd, const float* xsum, int64_t r, int mt, float* y,
+                          int64_t y_stride, int bits) {
+    switch (nr * 8 + mt) {
+        case 2 * 8 + 4: TILE(2, 4); break;
+        case 2 * 8 + 3: TILE(2, 3); break;
+        case 2 * 8 + 2: TILE(2, 2); break;
+        case 2 * 8 + 1: TILE(2, 1); break;
+        case 1 * 8 + 4: TILE(1, 4); break;
+        case 1 * 8 + 3: TILE(1, 3); break;
+        case 1 * 8 + 2: TILE(1, 2); break;
+        default: TILE(1, 1); break;
+    }
+}
+#else
+// Portable: the same sums in scalar code (integer dot per group, one scale product per group).
+static void tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr, int64_t k,
+                          const int8_t* xq, const float* xd, const float* xsum, int64_t r, int mt, float* y,
+                          int64_t y_stride, int bits) {
+    const int64_t groups = k / GROUP;
+    for (int i = 0; i < nr; i++) {
+        const uint8_t* c = codes + (n + i) * (bits == 4 ? k / 2 : k);
+        for (int j = 0; j < mt; j++) {
+            const int8_t* xr = xq + (r + j) * k;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t dot = 0;
+                for (int b = 0; b < GROUP / 2; b++) {
+                    if (bits == 4) {
+                        const uint8_t byte = c[g * (GROUP / 2) + b];
+                        dot += (byte & 0x0F) * xr[g * GROUP + b] + (byte >> 4) * xr[g * GROUP + GROUP / 2 + b];
+                    } else {
+                        dot += (int8_t)c[g * GROUP + b] * xr[g * GROUP + b] +
+                               (int8_t)c[g * GROUP + GROUP / 2 + b] * xr[g * GROUP + GROUP / 2 + b];
+                    }
+                }
+                acc += (float)dot * (scale[(n + i) * groups + g] * xd[(r + j) * groups + g]);
+            }
+            y[(r + j) * y_stride + n + i] =
+                acc + (bits == 4 ? dot_f32(mins + (n + i) * groups, xsum + (r + j) * groups, groups) : 0.0f);
+        }
+    }
+}
+#endif
+
+static void matmul_rows(const uint8_t* codes, const float* scale, const float* mins, int64_t n0, int64_t n1,
+                        int64_t k, const int8_t* xq, const float* xd, const float* xsum, int64_t m, float* y,
+                        int64_t y_stride, int bits) {
+    for (int64_t n = n0; n < n1; n += 2) {
+        const int nr = n + 2 <= n1 ? 2 : 1;
+        for (int64_t r = 0; r < m; r += 4) {
+            const int mt = r + 4 <= m ? 4 : (int)(m - r);
+            tile_dispatch(codes, scale, mins, n, nr, k, xq, xd, xsum, r, mt, y, y_stride, bits);
+        }
+    }
+}
+
+// y[m, n] for output rows [n0, n1) and all m input rows (quantized by q8_quantize_groups).
+void int4_matmul_q8(const uint8_t* codes, const float* scale, const float* mins, int64_t n0, int64_t n1, int64_t k,
+                    const int8_t* xq, const float* xd, const float* xsum, int64_t m, float* y, int64_t y_stride) {
+    matmul_rows(codes, scale, mins, n0, n1, k, xq, xd, xsum, m, y, y_stride, 4);
+}
+
+// The same for 8-bit codes [N, K] int8; xq from q8_quantize_groups with `in_order` set (input order).
+void int8_matmul_q8(const int8_t* codes, const float* scale, int64_t n0, int64_t n1, int64_t k, const int8_t* xq,
+                    const float* xd, int64_t m, float* y, int64_t y_stride) {
+    matmul_rows((const uint8_t*)codes, scale, NULL, n0, n1, k, xq, xd, NULL, m, y, y_stride, 8);
+}

@@ -1,0 +1,95 @@
+"""4- and 8-bit weights times fp32 activations on the CPU with the C functions of
+kernels/cpu/int4_matmul.c (built into cpu_attention's library).
+
+torch's CPU int4 kernel is fast with bf16 / fp16 activations only; where the compute dtype is fp32
+(a CPU without native bf16) it is slower than the dense fp32 matmul. The C kernel quantizes each
+input row to int8 per group of 32 and takes integer dot products with the codes, as llama.cpp does
+for Q4_1 and Q8_0; its error beside fp32 rounding is that quantization's (`error_bound`).
+`matmul` / `matmul_int8` return None where they do not apply (no library, another dtype): the caller
+runs torch's path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.runtime.kernels import cpu_attention
+
+GROUP = 32
+# Output rows per thread at least (below it the pool's hand-off costs more than the rows).
+MIN_ROWS_PER_THREAD = 256
+
+
+def available() -> bool:
+    """Whether the library with the kernel is built (else torch's paths run)."""
+    return cpu_attention.library() is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernel runs a call on input `x`: fp32 [M, K] on the CPU, K a multiple of 32."""
+    return (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
+            and available())
+
+
+def quantize_inputs(x: torch.Tensor, in_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 -> (xq [M, K] int8, xd [M, K/32] scales, xsum [M, K/32] sums). xq holds each
+    group's even inputs, then its odd ones (the 4-bit codes' order), or (`in_order`) the inputs' order."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xq = torch.empty((m, k), dtype=torch.int8)
+    xd = torch.empty((m, k // GROUP), dtype=torch.float32)
+    xsum = torch.empty_like(xd)
+    cpu_attention.library().q8_quantize_groups(x.data_ptr(), m, k, x.stride(0), xq.data_ptr(), xd.data_ptr(),
+                                               xsum.data_ptr(), int(in_order))
+    return xq, xd, xsum
+
+
+def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] fp32 times the weight w[n, k] = q[n, k] * scale[n, k/32] + mins[n, k/32] -> y [M, N] fp32.
+
+    nibbles: [N, K/2] uint8 (byte j: code 2j low, 2j + 1 high); scale, mins: [N, K/32] fp32, all
+    contiguous. None where the kernel does not apply (`supports`)."""
+    if not supports(x):
+        return None
+    lib = cpu_attention.library()
+    m, k = x.shape
+    n = nibbles.shape[0]
+    xq, xd, xsum = quantize_inputs(x)
+    y = torch.empty((m, n), dtype=torch.float32)
+
+    def rows(n0: int, n1: int) -> None:
+        lib.int4_matmul_q8(nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), n0, n1, k, xq.data_ptr(),
+                           xd.data_ptr(), xsum.data_ptr(), m, y.data_ptr(), n)
+
+    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
+    return y
+
+
+def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] fp32 times w[n, k] = codes[n, k] * scale[n, k/32] -> y [M, N] fp32; codes [N, K] int8
+    in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does not apply."""
+    if not supports(x):
+        return None
+    lib = cpu_attention.library()
+    m, k = x.shape
+    n = codes.shape[0]
+    xq, xd, _ = quantize_inputs(x, in_order=True)
+    y = torch.empty((m, n), dtype=torch.float32)
+
+    def rows(n0: int, n1: int) -> None:
+        lib.int8_matmul_q8(codes.data_ptr(), scale.data_ptr(), n0, n1, k, xq.data_ptr(), xd.data_ptr(), m,
+                           y.data_ptr(), n)
+
+    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
+    return y
+
+
+def error_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[M, N]: the most the kernel's output may differ from x @ w^T through the inputs' int8
+    quantization (each input off by at most half its group's step): sum_g |scale| xd / 2 sum_k |q|.
+    codes: [N, K] (0..15, or int8); scale: [N, K/32]. (fp32 rounding comes on top.)"""
+    m, k = x.shape
+    xd = x.view(m, k // GROUP, GROUP).abs().amax(-1) / 127  # [M, G]
+    code_sums = codes.float().abs().view(codes.shape[0], k // GROUP, GROUP).sum(-1)  # [N, G]
+    return (xd / 2) @ (scale.abs() * code_sums).t()
