@@ -189,3 +189,35 @@ def test_fp32_int4_model_follows_the_dense_model_on_the_same_codes(smollm2):
     kl, top1 = kl_and_top1([dense], [packed])
     assert top1 >= 0.9 and kl < 0.05, (top1, kl)
 
+
+
+def test_fp32_int4_token_keeps_its_logits_whatever_its_step_holds(smollm2):
+    """Generated tokens run the kernel and prompt tokens the dense weight, whatever the step's mix: a
+    decode step that shares its forward with another request's 300-token prompt (more rows than the
+    dense-from-rows count) gives the decoding request the logits it gets alone, bit for bit."""
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    engine = Engine.from_checkpoint(smollm2, EngineConfig(cache=CacheConfig(num_blocks=64), dtype="float32",
+                                                          weight_format="int4"))
+    assert engine.weight_format == "int4"
+    engine.keep_logits = True
+    tok = smollm2.tokenizer
+    first = tok.encode("Write a haiku about the sea.")
+    second = tok.encode("Summarise: " + "the ships sail by the harbour wall at dawn. " * 30)
+    assert len(second) > 300
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def first_row_logits(with_second: bool) -> torch.Tensor:
+        engine.add_request("a", first, greedy)
+        for _ in range(3):  # a's prompt, then two decodes
+            engine.step()
+        if with_second:
+            engine.add_request("b", second, greedy)  # its prompt shares the next forward with a's decode
+        engine.step()
+        logits = engine.last_logits[0].clone()  # decode rows come first: a's
+        while engine.has_unfinished():
+            engine.step()
+        return logits
+
+    assert torch.equal(first_row_logits(True), first_row_logits(False))

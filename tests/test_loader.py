@@ -212,10 +212,11 @@ def test_random_gguf_matches_transformers(tmp_path: Path, arch: str, qtype: gguf
 
 def last_logits(ck: Checkpoint, prompt: list[int]) -> torch.Tensor:
     """Our engine's logits after prefilling `prompt`: [V]."""
+    from pdserve.runtime.config import EngineConfig
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.sampling_params import SamplingParams
 
-    engine = Engine.from_checkpoint(ck)
+    engine = Engine.from_checkpoint(ck, EngineConfig(weight_format="dense"))  # the loaded weights, as transformers
     engine.keep_logits = True
     engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0))
     engine.step()

@@ -24,8 +24,10 @@ adds error. 8-bit and 5-bit codes (`--weight-format packed`) run as two 4-bit pl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,6 +49,35 @@ DENSE_FROM_ROWS_TWO_PLANES = 48
 # fp32 activations run our C kernel (runtime.kernels.cpu_int4_matmul): its cost grows with every row
 # faster than a dense fp32 matmul's, which it beats for few rows by reading an eighth of the bytes.
 DENSE_FROM_ROWS_F32 = 128
+
+# In fp32 the C kernel's int8 inputs round differently from the dense matmul, so which of the two a
+# token takes must not depend on what else its step holds (other sequences, chunking, speculation,
+# the worker it runs on): a forward marks its rows, generated tokens on the kernel, prompt tokens
+# dense (the kept copy, else dequantized). Unmarked (outside a forward): by row count, as above.
+_generated_rows: contextvars.ContextVar[RowKinds | None] = contextvars.ContextVar("int4_rows", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class RowKinds:
+    """A forward's rows by token kind: `generated` and `prompt` row indices ([G], [P] int64)."""
+
+    generated: torch.Tensor
+    prompt: torch.Tensor
+
+    @classmethod
+    def of(cls, generated: torch.Tensor) -> RowKinds:
+        """generated: [N] bool, True for a row whose token the model generated."""
+        return cls(generated.nonzero().flatten(), (~generated).nonzero().flatten())
+
+
+@contextlib.contextmanager
+def token_kinds(rows: RowKinds | None) -> Iterator[None]:
+    """Within it, Int4Linear calls in fp32 run `rows.generated` on the kernel, `rows.prompt` dense."""
+    token = _generated_rows.set(rows)
+    try:
+        yield
+    finally:
+        _generated_rows.reset(token)
 
 
 def shape_problem(out_features: int, in_features: int) -> str | None:
@@ -186,14 +217,35 @@ class Int4Linear:
         x = x.to(self.dtype)
         if self.perm is not None:  # the weight's columns are sorted by group: so are the inputs'
             x = permute_columns(x, self.perm)
+        if self.mins is not None:
+            return self._fp32(x)
         if x.shape[0] >= self.dense_from_rows:
             return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)
-        if self.mins is not None:
-            y = cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins)  # [M, out]
-            return y if self.bias is None else y + self.bias
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
+
+    def _fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32: generated tokens' rows on the C kernel, prompt tokens' dense (`token_kinds`)."""
+        kinds = _generated_rows.get()
+        if kinds is None or len(kinds.generated) + len(kinds.prompt) != x.shape[0]:
+            on_kernel = x.shape[0] < self.dense_from_rows
+            return self._kernel(x) if on_kernel else self._dense(x)
+        if len(kinds.prompt) == 0:
+            return self._kernel(x)
+        # Prompt rows take the dense matmul of every row, as a dense model's step does (a GEMM's
+        # rounding of a row can depend on the row count); the generated rows' are then replaced.
+        y = self._dense(x)
+        if len(kinds.generated):
+            y[kinds.generated] = self._kernel(x[kinds.generated])
+        return y
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins)  # [M, out]
+        return y if self.bias is None else y + self.bias
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)
 
     def codes_f32(self) -> torch.Tensor:
         """The codes as float32 [N, K]: 4-bit ones, or (two planes) u = 16 h + l in [0, 255]."""

@@ -28,3 +28,6 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
     decode_context_lens: torch.Tensor  # [B] int64
     prefills: tuple[PrefillSpan, ...]
+    # [N] bool: rows of tokens the model generated (not prompt tokens); None: not told. Read by
+    # fp32 int4 projections, which run generated tokens on their kernel (quant.int4_cpu.token_kinds).
+    generated_rows: torch.Tensor | None = None

@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from pdserve.quant.int4_cpu import RowKinds, token_kinds
 from pdserve.quant.linear import Linear, as_linear, fused_linear, keep_dense_copy
 from pdserve.runtime.arch import LinearSite
 from pdserve.runtime.attention import AttentionMetadata
@@ -201,8 +202,10 @@ class LlamaModel:
         attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         hidden = self.embed_tokens(input_ids)  # [N, D]
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, attend)
+        kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
+        with token_kinds(kinds):  # fp32 int4: generated tokens on the kernel, prompt tokens dense
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, positions, attend)
         hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
 

@@ -44,8 +44,11 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        generated: list[bool] = []
         for s in out.decodes + out.prefills:
             start = s.seq.num_computed_tokens
+            first_generated = len(s.seq.prompt_ids) - s.seq.resumed_tokens  # a resumed stream's tail is ours
+            generated.extend(p >= first_generated for p in range(start, start + s.num_new_tokens))
             ids.extend(s.seq.token_ids[start:start + s.num_new_tokens - len(s.draft)])
             ids.extend(s.draft)
             pos.extend(range(start, start + s.num_new_tokens))
@@ -58,6 +61,7 @@ class ModelRunner:
             decode_block_tables=self._block_tables(out.decodes),
             decode_context_lens=self._tensor([s.seq.num_computed_tokens + 1 for s in out.decodes]),
             prefills=self._prefill_spans(out),
+            generated_rows=torch.tensor(generated, dtype=torch.bool),
         )
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
 
