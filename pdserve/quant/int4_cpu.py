@@ -46,9 +46,6 @@ ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 # --crossover 32,48,64,96,128,160`, quiet machine).
 DENSE_FROM_ROWS = 128
 DENSE_FROM_ROWS_TWO_PLANES = 48
-# fp32 activations run our C kernel (runtime.kernels.cpu_int4_matmul): its cost grows with every row
-# faster than a dense fp32 matmul's, which it beats for few rows by reading an eighth of the bytes.
-DENSE_FROM_ROWS_F32 = 128
 
 # In fp32 the C kernel's int8 inputs round differently from the dense matmul, so which of the two a
 # token takes must not depend on what else its step holds (other sequences, chunking, speculation,
@@ -196,8 +193,8 @@ class Int4Linear:
             self.scale = self.scale.contiguous()
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features, self.in_features, self.dtype, self.planes = n, pk // p, dtype, p
-        self.dense_from_rows = (DENSE_FROM_ROWS_F32 if ours else DENSE_FROM_ROWS if p == 1
-                                else DENSE_FROM_ROWS_TWO_PLANES)
+        # (fp32, ours: a forward's rows go by token kind instead; this count only outside one)
+        self.dense_from_rows = DENSE_FROM_ROWS if p == 1 else DENSE_FROM_ROWS_TWO_PLANES
         self.dense: torch.Tensor | None = None  # [out, in]: `dequantized()` kept (keep_dense_copy)
         self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):

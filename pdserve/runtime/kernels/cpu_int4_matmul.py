@@ -50,38 +50,33 @@ def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: to
 
     nibbles: [N, K/2] uint8 (byte j: code 2j low, 2j + 1 high); scale, mins: [N, K/32] fp32, all
     contiguous. None where the kernel does not apply (`supports`)."""
-    if not supports(x):
-        return None
-    lib = cpu_attention.library()
-    m, k = x.shape
-    n = nibbles.shape[0]
-    xq, xd, xsum = quantize_inputs(x)
-    y = torch.empty((m, n), dtype=torch.float32)
+    def rows(n0: int, n1: int, k: int, xq, xd, xsum, m: int, y) -> None:
+        cpu_attention.library().int4_matmul_q8(nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), n0, n1, k,
+                                               xq.data_ptr(), xd.data_ptr(), xsum.data_ptr(), m, y.data_ptr(),
+                                               y.shape[1])
 
-    def rows(n0: int, n1: int) -> None:
-        lib.int4_matmul_q8(nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), n0, n1, k, xq.data_ptr(),
-                           xd.data_ptr(), xsum.data_ptr(), m, y.data_ptr(), n)
-
-    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
-    return y
+    return _over_output_rows(x, nibbles.shape[0], rows, in_order=False)
 
 
 def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] fp32 times w[n, k] = codes[n, k] * scale[n, k/32] -> y [M, N] fp32; codes [N, K] int8
     in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does not apply."""
+    def rows(n0: int, n1: int, k: int, xq, xd, _xsum, m: int, y) -> None:
+        cpu_attention.library().int8_matmul_q8(codes.data_ptr(), scale.data_ptr(), n0, n1, k, xq.data_ptr(),
+                                               xd.data_ptr(), m, y.data_ptr(), y.shape[1])
+
+    return _over_output_rows(x, codes.shape[0], rows, in_order=True)
+
+
+def _over_output_rows(x: torch.Tensor, n: int, rows, in_order: bool) -> torch.Tensor | None:
+    """x quantized once, then rows(n0, n1, k, xq, xd, xsum, m, y) over the N outputs split across threads."""
     if not supports(x):
         return None
-    lib = cpu_attention.library()
     m, k = x.shape
-    n = codes.shape[0]
-    xq, xd, _ = quantize_inputs(x, in_order=True)
+    xq, xd, xsum = quantize_inputs(x, in_order)
     y = torch.empty((m, n), dtype=torch.float32)
-
-    def rows(n0: int, n1: int) -> None:
-        lib.int8_matmul_q8(codes.data_ptr(), scale.data_ptr(), n0, n1, k, xq.data_ptr(), xd.data_ptr(), m,
-                           y.data_ptr(), n)
-
-    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
+    cpu_attention.split_over_threads(lambda n0, n1: rows(n0, n1, k, xq, xd, xsum, m, y), n, MIN_ROWS_PER_THREAD,
+                                     align=2)
     return y
 
 
