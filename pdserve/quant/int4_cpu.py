@@ -191,7 +191,7 @@ class Int4Linear:
         self.mins = (self.zero - 8 * self.scale).contiguous() if ours else None
         if ours:
             self.scale = self.scale.contiguous()
-        self.bias = None if bias is None else bias.to(dtype)
+        self.bias = None if bias is None else bias.to(dtype).contiguous()
         self.out_features, self.in_features, self.dtype, self.planes = n, pk // p, dtype, p
         # (fp32, ours: a forward's rows go by token kind instead; this count only outside one)
         self.dense_from_rows = DENSE_FROM_ROWS if p == 1 else DENSE_FROM_ROWS_TWO_PLANES
@@ -238,8 +238,7 @@ class Int4Linear:
         return y
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins)  # [M, out]
-        return y if self.bias is None else y + self.bias
+        return cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins, self.bias)  # [M, out]
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)

@@ -26,6 +26,7 @@ from pdserve.runtime.arch import LinearSite
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.config import ModelConfig
 from pdserve.runtime.kernels import get_kernels, torch_ops
+from pdserve.runtime.kernels.cpu_decode_step import DecodeStepPlan
 
 # (layer index, q [N, H, hd], k [N, KVH, hd], v [N, KVH, hd]) -> attention output [N, H, hd].
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,6 +34,7 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 # or not); None on one rank. The only thing tensor parallelism changes inside a layer
 # (pdserve.runtime.parallel).
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+_UNPLANNED = object()  # LlamaModel._decode_step before its first forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +190,7 @@ class LlamaModel:
         ctx = layer_context(config, self.kernels, device, all_reduce)
         self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._decode_step: DecodeStepPlan | None | object = _UNPLANNED
 
     def keep_dense_copies(self) -> None:
         """Packed projections keep their dequantized weights for prefill chunks (quant.linear.keep_dense_copy)."""
@@ -199,8 +202,11 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [N] -> final hidden states [N, D]; writes the step's KV."""
-        attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         hidden = self.embed_tokens(input_ids)  # [N, D]
+        step = self.one_call_decode_step()
+        if step is not None and step.applies(hidden, meta, kv_cache):
+            return step.run(hidden, positions, meta, kv_cache)  # the same bits as the layers below
+        attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         residual = None
         kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
         with token_kinds(kinds):  # fp32 int4: generated tokens on the kernel, prompt tokens dense
@@ -208,6 +214,13 @@ class LlamaModel:
                 hidden, residual = layer(hidden, residual, positions, attend)
         hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
+
+    def one_call_decode_step(self) -> DecodeStepPlan | None:
+        """The C decode step of this model (kernels.cpu_decode_step), planned at its first forward (after
+        the engine has packed its weights); None where it does not cover the model."""
+        if self._decode_step is _UNPLANNED:
+            self._decode_step = DecodeStepPlan.of(self) if self.kernels is torch_ops else None
+        return self._decode_step
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [N] -> embeddings [N, D] (a vocabulary-parallel rank overrides it)."""

@@ -3,7 +3,7 @@
 torch's CPU path (torch_ops.paged_decode_attention_torch, the reference) copies each sequence's
 blocks into a padded tensor and runs the flash kernel, whose fixed cost per (sequence, head) rules at
 one query per head. The C functions compute the scores and the weighted values straight from the
-blocks; the softmax between them is torch's. Built once per machine with the system C compiler
+blocks, with the softmax between them, in one call (kernels/cpu/layer_ops.c). Built once per machine with the system C compiler
 (about a second; no torch headers) into a cache directory, loaded with ctypes, which releases the
 GIL during the call. Where no compiler is found or the build fails, `paged_decode_attention`
 returns None and the caller runs the torch path (one log line says why). The same library holds the
@@ -27,34 +27,46 @@ from pathlib import Path
 
 import torch
 
+from pdserve.runtime.kernels.step_memo import per_step
 from pdserve.runtime.kv_cache import block_size_of
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
-# One library from both sources (one build, one cache entry, one portable file): the INT8 KV write
+# One library from all sources (one build, one cache entry, one portable file): the INT8 KV write
 # (kv_write.c, loaded by cpu_kv_write) ships with the decode attention that reads what it writes;
-# the int4 matmul (int4_matmul.c, cpu_int4_matmul) with them, one build for the CPU's kernels.
-SOURCES = (SOURCE, SOURCE.with_name("kv_write.c"), SOURCE.with_name("int4_matmul.c"))
+# the int4 matmul (int4_matmul.c, cpu_int4_matmul), the layer's row operations (layer_ops.c,
+# cpu_layer_ops) and the one-call decode step built on all of them (decode_step.c, cpu_decode_step).
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("kv_write.c", "int4_matmul.c", "layer_ops.c", "decode_step.c")))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 _QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _CACHE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8"}
 _KERNELS = [("bf16", "bf16"), ("f32", "f32"), ("bf16", "i8"), ("f32", "i8")]  # (query, cache) built
-_TABLE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9  # cache, tables, lens; sizes, strides, offset
-_SCORES_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float] + _TABLE_ARGS
-_VALUES_ARGS = [ctypes.c_void_p, ctypes.c_void_p] + _TABLE_ARGS
+# q, out, scores, scale; cache, tables, lens; batch, max_blocks, heads, kv_heads, dim, block_size,
+# block_stride, k_offset, v_offset, t_pad
+_ATTENTION_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10
 # cache, k, v; k and v row strides; slots; n, num_blocks, kv_heads, dim, block_size, block_stride, layer_offset
 _KV_WRITE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
 KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
-# x, m, k, x_stride, xq, xd, xsum, in_order
-_Q8_QUANTIZE_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-# codes, scale, mins, n0, n1, k, xq, xd, xsum, m, y, y_stride
-_INT4_MATMUL_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64,
-                                                                                          ctypes.c_void_p, ctypes.c_int64]
-# codes, scale, n0, n1, k, xq, xd, m, y, y_stride
-_INT8_MATMUL_ARGS = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64,
-                                                                                          ctypes.c_void_p, ctypes.c_int64]
+# x, m, k, x_stride; codes, scale, mins, bias; n0, n1, y, y_stride
+_INT4_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
+    ctypes.c_void_p, ctypes.c_int64]
+# x, m, k, x_stride; codes, scale; n0, n1, y, y_stride
+_INT8_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
+    ctypes.c_void_p, ctypes.c_int64]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# The row operations of kernels/cpu/layer_ops.c (called through cpu_layer_ops).
+_LAYER_OPS_ARGS = {
+    # x, x_stride, residual, weight, n, d, eps, out, summed
+    "add_rms_norm_f32": [_P, _I, _P, _P, _I, _I, ctypes.c_float, _P, _P],
+    # x, x_stride, n, heads, dim, positions, cos, sin, max_positions, out
+    "rope_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P],
+    # gate_up, stride, n, inter, out
+    "silu_mul_f32": [_P, _I, _I, _I, _P],
+    # cache, k, k_stride, v, v_stride, slots, n, row_bytes, block_size, block_stride, k_offset
+    "kv_write_rows": [_P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I],
+}
 
 
 def cache_dir() -> Path:
@@ -140,13 +152,14 @@ def library() -> ctypes.CDLL | None:
                     "(decode attention and the INT8 KV write)", why)
         return None
     for query, cache in _KERNELS:
-        getattr(lib, f"paged_scores_{query}_{cache}").argtypes = _SCORES_ARGS
-        getattr(lib, f"paged_values_{query}_{cache}").argtypes = _VALUES_ARGS
+        getattr(lib, f"paged_attention_{query}_{cache}").argtypes = _ATTENTION_ARGS
     for inputs in KV_WRITE_INPUTS:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
-    lib.q8_quantize_groups.argtypes, lib.q8_quantize_groups.restype = _Q8_QUANTIZE_ARGS, None
-    lib.int4_matmul_q8.argtypes, lib.int4_matmul_q8.restype = _INT4_MATMUL_ARGS, None
-    lib.int8_matmul_q8.argtypes, lib.int8_matmul_q8.restype = _INT8_MATMUL_ARGS, None
+    for name, argtypes in _LAYER_OPS_ARGS.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name == "rope_f32" else None
+    lib.decode_step_f32.argtypes, lib.decode_step_f32.restype = [ctypes.c_void_p] * 4, ctypes.c_int
+    lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int
+    lib.int8_linear_f32.argtypes, lib.int8_linear_f32.restype = _INT8_LINEAR_ARGS, ctypes.c_int
     return lib
 
 
@@ -172,35 +185,27 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     None when this kernel does not apply (dtype, layout, no library): the caller runs torch's path."""
     if not supports(q, kv_cache):
         return None
-    lib, suffix = library(), _kernel_suffix(q, kv_cache)
+    attention = getattr(library(), f"paged_attention_{_kernel_suffix(q, kv_cache)}")
     b, h, d = q.shape
     _, layers, _, rows, kvh, _ = kv_cache.shape
-    block_size = block_size_of(kv_cache)  # token slots (rows, less an INT8 cache's scale row)
     q = q.contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
-    mb, t_pad = tables.shape[1], tables.shape[1] * block_size
+    # The same for every layer of the step: int64 tables and lengths, and the scores' scratch
+    # ([B, H, T]: each call writes, then reads, only its sequences' first context_len columns).
+    tables, lens, scores = per_step("c_decode_attention", (block_tables, context_lens, h), lambda: (
+        block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous(),
+        torch.empty((b, h, block_tables.shape[1] * block_size_of(kv_cache)), dtype=torch.float32)))
+    mb, t_pad = tables.shape[1], scores.shape[2]
     chunk = rows * kvh * d  # elements of one (block, layer, k/v) run
-    scores = torch.full((b, h, t_pad), float("-inf"), dtype=torch.float32)  # [B, H, T]: -inf past each context
-    probs = torch.empty_like(scores)
     out = torch.empty_like(q)
     es = q.element_size()
 
-    def table_args(b0: int, b1: int, offset: int) -> tuple:
-        return (kv_cache.data_ptr(), tables.data_ptr() + b0 * mb * 8, lens.data_ptr() + b0 * 8, b1 - b0, mb, h,
-                kvh, d, block_size, layers * 2 * chunk, offset, t_pad)
+    def sequences(b0: int, b1: int) -> None:  # [b0, b1)
+        attention(q.data_ptr() + b0 * h * d * es, out.data_ptr() + b0 * h * d * es,
+                  scores.data_ptr() + b0 * h * t_pad * 4, scale, kv_cache.data_ptr(), tables.data_ptr() + b0 * mb * 8,
+                  lens.data_ptr() + b0 * 8, b1 - b0, mb, h, kvh, d, block_size_of(kv_cache), layers * 2 * chunk,
+                  2 * layer * chunk, (2 * layer + 1) * chunk, t_pad)
 
-    def scores_of(b0: int, b1: int) -> None:  # sequences [b0, b1)
-        getattr(lib, f"paged_scores_{suffix}")(q.data_ptr() + b0 * h * d * es, scores.data_ptr() + b0 * h * t_pad * 4,
-                                               scale, *table_args(b0, b1, 2 * layer * chunk))
-
-    def values_of(b0: int, b1: int) -> None:
-        getattr(lib, f"paged_values_{suffix}")(probs.data_ptr() + b0 * h * t_pad * 4, out.data_ptr() + b0 * h * d * es,
-                                               *table_args(b0, b1, (2 * layer + 1) * chunk))
-
-    split_over_threads(scores_of, b, MIN_SEQUENCES_PER_THREAD)
-    torch.softmax(scores, dim=-1, out=probs)  # on this thread: torch ops stay off the pool's threads
-    split_over_threads(values_of, b, MIN_SEQUENCES_PER_THREAD)
+    split_over_threads(sequences, b, MIN_SEQUENCES_PER_THREAD)
     return out
 
 

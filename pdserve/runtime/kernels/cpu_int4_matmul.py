@@ -31,52 +31,41 @@ def supports(x: torch.Tensor) -> bool:
             and available())
 
 
-def quantize_inputs(x: torch.Tensor, in_order: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] fp32 -> (xq [M, K] int8, xd [M, K/32] scales, xsum [M, K/32] sums). xq holds each
-    group's even inputs, then its odd ones (the 4-bit codes' order), or (`in_order`) the inputs' order."""
-    m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    xq = torch.empty((m, k), dtype=torch.int8)
-    xd = torch.empty((m, k // GROUP), dtype=torch.float32)
-    xsum = torch.empty_like(xd)
-    cpu_attention.library().q8_quantize_groups(x.data_ptr(), m, k, x.stride(0), xq.data_ptr(), xd.data_ptr(),
-                                               xsum.data_ptr(), int(in_order))
-    return xq, xd, xsum
+def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] fp32 times the weight w[n, k] = q[n, k] * scale[n, k/32] + mins[n, k/32] (+ bias[n])
+    -> y [M, N] fp32.
 
-
-def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] fp32 times the weight w[n, k] = q[n, k] * scale[n, k/32] + mins[n, k/32] -> y [M, N] fp32.
-
-    nibbles: [N, K/2] uint8 (byte j: code 2j low, 2j + 1 high); scale, mins: [N, K/32] fp32, all
-    contiguous. None where the kernel does not apply (`supports`)."""
-    def rows(n0: int, n1: int, k: int, xq, xd, xsum, m: int, y) -> None:
-        cpu_attention.library().int4_matmul_q8(nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), n0, n1, k,
-                                               xq.data_ptr(), xd.data_ptr(), xsum.data_ptr(), m, y.data_ptr(),
-                                               y.shape[1])
-
-    return _over_output_rows(x, nibbles.shape[0], rows, in_order=False)
+    nibbles: [N, K/2] uint8 (byte j: code 2j low, 2j + 1 high); scale, mins: [N, K/32] fp32, bias [N]
+    fp32, all contiguous. None where the kernel does not apply (`supports`)."""
+    weights = (nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), 0 if bias is None else bias.data_ptr())
+    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32 if available() else None,
+                             weights)
 
 
 def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] fp32 times w[n, k] = codes[n, k] * scale[n, k/32] -> y [M, N] fp32; codes [N, K] int8
     in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does not apply."""
-    def rows(n0: int, n1: int, k: int, xq, xd, _xsum, m: int, y) -> None:
-        cpu_attention.library().int8_matmul_q8(codes.data_ptr(), scale.data_ptr(), n0, n1, k, xq.data_ptr(),
-                                               xd.data_ptr(), m, y.data_ptr(), y.shape[1])
-
-    return _over_output_rows(x, codes.shape[0], rows, in_order=True)
+    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_f32 if available() else None,
+                             (codes.data_ptr(), scale.data_ptr()))
 
 
-def _over_output_rows(x: torch.Tensor, n: int, rows, in_order: bool) -> torch.Tensor | None:
-    """x quantized once, then rows(n0, n1, k, xq, xd, xsum, m, y) over the N outputs split across threads."""
+def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...]) -> torch.Tensor | None:
+    """y [M, n] by the C `linear(x, m, k, x_stride, *weights, n0, n1, y, y_stride)` over the n outputs,
+    split across threads (each part quantizes x itself: one call a part, no tensors in between)."""
     if not supports(x):
         return None
     m, k = x.shape
-    xq, xd, xsum = quantize_inputs(x, in_order)
+    if x.stride(1) != 1:
+        x = x.contiguous()
     y = torch.empty((m, n), dtype=torch.float32)
-    cpu_attention.split_over_threads(lambda n0, n1: rows(n0, n1, k, xq, xd, xsum, m, y), n, MIN_ROWS_PER_THREAD,
-                                     align=2)
+    head = (x.data_ptr(), m, k, x.stride(0), *weights)
+
+    def rows(n0: int, n1: int) -> None:
+        if linear(*head, n0, n1, y.data_ptr(), n):
+            raise MemoryError(f"no scratch for a {m} x {k} input's int8 quantization")
+
+    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
     return y
 
 

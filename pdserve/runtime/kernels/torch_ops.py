@@ -8,40 +8,22 @@ and read through `kv_quant`; float caches take the direct path below, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from pdserve.runtime.kernels import cpu_attention, cpu_kv_write, kv_quant
+from pdserve.runtime.kernels import cpu_attention, cpu_kv_write, cpu_layer_ops, kv_quant
+from pdserve.runtime.kernels.step_memo import per_step
 from pdserve.runtime.kv_cache import block_size_of, is_scaled
 
-# Every layer of one step passes the same step tensors (positions, slot mapping, block tables,
-# context lengths) and derives the same values from them: RoPE rows, block ids and offsets, the
-# attention mask. 30 layers x a few small ops each is a real share of a decode step on a CPU, so
-# the last derivation per kind is kept, keyed by the very tensor objects it came from (held, so
-# their ids cannot be reused; a new step brings new objects, so nothing stale is ever returned).
-_step_memo: dict[str, tuple[tuple[Any, ...], Any]] = {}
-
-
-def _per_step(kind: str, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-    """`compute()`, or what it gave for the same `key` last time (its tensors compared by identity).
-    CPU only: a GPU step may refill static buffers in place (CUDA graphs), so it never reuses."""
-    if key[0].device.type != "cpu":
-        return compute()
-    entry = _step_memo.get(kind)
-    if entry is not None and len(entry[0]) == len(key) and all(a is b or (type(a) is not torch.Tensor and a == b)
-                                                               for a, b in zip(entry[0], key)):
-        return entry[1]
-    value = compute()
-    _step_memo[kind] = (key, value)
-    return value
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [N, hidden] -> [N, hidden]; one fused op (fp32 math as the reference does: normalized in
-    fp32, rounded to x's dtype, then scaled by the weight in that dtype, like transformers)."""
+    """x: [N, hidden] -> [N, hidden]; fp32 on the CPU in C (cpu_layer_ops), else `rms_norm_torch`."""
+    done = cpu_layer_ops.add_rms_norm(x, None, weight, eps)
+    return rms_norm_torch(x, weight, eps) if done is None else done[0]
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference: one fused op (fp32 math as transformers does: normalized in fp32, rounded to x's
+    dtype, then scaled by the weight in that dtype)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
@@ -51,8 +33,11 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm: returns (rms_norm(x + residual), x + residual)."""
+    done = cpu_layer_ops.add_rms_norm(x, residual, weight, eps)
+    if done is not None:
+        return done
     summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    return rms_norm_torch(summed, weight, eps), summed
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +57,30 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [N, H, D], k: [N, KVH, D], positions: [N] -> rotated (q, k)."""
-    c, s = _per_step("rope", (positions, cos, sin, q.dtype), lambda: (
+    """q: [N, H, D], k: [N, KVH, D], positions: [N] -> rotated (q, k); fp32 on the CPU in C."""
+    q_rot, k_rot = cpu_layer_ops.rope(q, positions, cos, sin), cpu_layer_ops.rope(k, positions, cos, sin)
+    if q_rot is not None and k_rot is not None:
+        return q_rot, k_rot
+    return apply_rope_torch(q, k, positions, cos, sin)
+
+
+def apply_rope_torch(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: q * cos + rotate_half(q) * sin, the same for k."""
+    c, s = per_step("rope", (positions, cos, sin, q.dtype), lambda: (
         cos[positions].unsqueeze(1).to(q.dtype), sin[positions].unsqueeze(1).to(q.dtype)))  # [N, 1, D] each
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [N, 2 * I] (gate first) -> silu(gate) * up: [N, I]."""
+    """gate_up: [N, 2 * I] (gate first) -> silu(gate) * up: [N, I]; fp32 on the CPU in C."""
+    done = cpu_layer_ops.silu_and_mul(gate_up)
+    return silu_and_mul_torch(gate_up) if done is None else done
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """The reference."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -88,13 +89,16 @@ def write_kv(
     kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatters k, v: [N, KVH, D] into their slots (slot = block_id * block_size + offset). A scaled cache
-    is quantized: INT8 on the CPU by the C write (kernels.cpu_kv_write) where it applies, else kv_quant's."""
+    is quantized: INT8 on the CPU by the C write (kernels.cpu_kv_write) where it applies, else kv_quant's;
+    a float one is copied into, in C on the CPU (cpu_layer_ops) where the dtypes match."""
     if is_scaled(kv_cache.dtype):
         if not cpu_kv_write.write_kv(kv_cache, layer, k, v, slot_mapping):
             kv_quant.write_kv(kv_cache, layer, k, v, slot_mapping)
         return
+    if cpu_layer_ops.write_kv(kv_cache, layer, k, v, slot_mapping):
+        return
     block_size = kv_cache.shape[3]
-    block_ids, offsets = _per_step("slots", (slot_mapping, block_size), lambda: (
+    block_ids, offsets = per_step("slots", (slot_mapping, block_size), lambda: (
         torch.div(slot_mapping, block_size, rounding_mode="floor"), slot_mapping % block_size))
     kv_cache[block_ids, layer, 0, offsets] = k.to(kv_cache.dtype)
     kv_cache[block_ids, layer, 1, offsets] = v.to(kv_cache.dtype)
@@ -139,7 +143,7 @@ def paged_decode_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, layer:
     kvh = kv_cache.shape[4]
     k, v = _gather_kv(kv_cache, layer, block_tables)  # [B, T, KVH, D]
     t = k.shape[1]
-    bias = _per_step("decode_mask", (context_lens, t, q.dtype), lambda: _decode_bias(context_lens, t, q.dtype))
+    bias = per_step("decode_mask", (context_lens, t, q.dtype), lambda: _decode_bias(context_lens, t, q.dtype))
     # The H / KVH query heads sharing a kv head are SDPA's "query length": no KV expansion.
     out = F.scaled_dot_product_attention(
         q.view(b, kvh, h // kvh, d),  # [B, KVH, G, D]
@@ -173,7 +177,7 @@ def prefill_attention(
     num_blocks = -(-context_len // block_size_of(kv_cache))
     k, v = _gather_kv(kv_cache, layer, block_table[:num_blocks])  # [T', KVH, D]
     k, v = k[:context_len].transpose(0, 1), v[:context_len].transpose(0, 1)  # [KVH, T, D]
-    mask = _per_step("prefill_mask", (block_table, n, context_len, q.dtype),
+    mask = per_step("prefill_mask", (block_table, n, context_len, q.dtype),
                      lambda: _causal_bias(n, context_len, q.dtype, q.device))
     # KV heads repeated for their query heads and an additive mask: on the CPU that takes torch's
     # flash kernel, 2-2.5x faster than the math path that enable_gqa or a boolean mask selects

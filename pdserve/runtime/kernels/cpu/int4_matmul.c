@@ -14,7 +14,7 @@
 // xsum is the exact fp32 sum of the group's inputs. The only error beside fp32 rounding is the
 // inputs' quantization: |y - x w^T| <= sum_g |scale[n, g]| * xd[m, g] / 2 * sum_{k in g} q[n, k].
 //
-// 8-bit weights (int8_matmul_q8: a GGUF's Q8_0 output head) are the same sums with signed codes
+// 8-bit weights (int8_linear_f32: a GGUF's Q8_0 output head) are the same sums with signed codes
 // q in -127..127 and no min: w[n, k] = q[n, k] * scale[n, g]; codes [N, K] int8, in input order.
 //
 // Layouts: codes [N, K / 2] bytes, byte j of a row holding code 2j (low nibble) and 2j + 1 (high),
@@ -23,6 +23,7 @@
 // codes | its 16 odd codes], so xq is written in that order too (q8_quantize_groups).
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -35,8 +36,8 @@
 
 // Inputs [M, K] -> xq [M, K] int8 (each group's even inputs, then its odd ones; in input order where
 // `in_order`, for 8-bit codes), xd and xsum [M, K / 32].
-void q8_quantize_groups(const float* x, int64_t m, int64_t k, int64_t x_stride, int8_t* xq, float* xd,
-                        float* xsum, int64_t in_order) {
+static void q8_quantize_groups(const float* x, int64_t m, int64_t k, int64_t x_stride, int8_t* xq, float* xd,
+                               float* xsum, int64_t in_order) {
     const int64_t groups = k / GROUP;
     for (int64_t r = 0; r < m; r++) {
         for (int64_t g = 0; g < groups; g++) {
@@ -186,14 +187,33 @@ static void matmul_rows(const uint8_t* codes, const float* scale, const float* m
     }
 }
 
-// y[m, n] for output rows [n0, n1) and all m input rows (quantized by q8_quantize_groups).
-void int4_matmul_q8(const uint8_t* codes, const float* scale, const float* mins, int64_t n0, int64_t n1, int64_t k,
-                    const int8_t* xq, const float* xd, const float* xsum, int64_t m, float* y, int64_t y_stride) {
-    matmul_rows(codes, scale, mins, n0, n1, k, xq, xd, xsum, m, y, y_stride, 4);
+// One call for a linear (the decode step's path): x [M, K] quantized into scratch of this call's
+// own, then y for output rows [n0, n1), plus bias[n] where bias is not NULL. Each thread's part
+// quantizes x again: M K values beside its (n1 - n0) M K products, at least 256 times more, and it
+// saves a second call and three tensors a projection. Returns 0, or -1 where the scratch cannot be had.
+static int linear_q8(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
+                     const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride,
+                     int bits) {
+    const int64_t groups = k / GROUP;
+    int8_t* xq = malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * groups));
+    if (xq == NULL) return -1;
+    float* xd = (float*)(xq + m * k);  // m * k is a multiple of 32: aligned for floats
+    float* xsum = xd + m * groups;
+    q8_quantize_groups(x, m, k, x_stride, xq, xd, xsum, bits == 8);
+    matmul_rows(codes, scale, mins, n0, n1, k, xq, xd, xsum, m, y, y_stride, bits);
+    free(xq);
+    if (bias != NULL)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t n = n0; n < n1; n++) y[r * y_stride + n] += bias[n];
+    return 0;
 }
 
-// The same for 8-bit codes [N, K] int8; xq from q8_quantize_groups with `in_order` set (input order).
-void int8_matmul_q8(const int8_t* codes, const float* scale, int64_t n0, int64_t n1, int64_t k, const int8_t* xq,
-                    const float* xd, int64_t m, float* y, int64_t y_stride) {
-    matmul_rows((const uint8_t*)codes, scale, NULL, n0, n1, k, xq, xd, NULL, m, y, y_stride, 8);
+int int4_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
+                    const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+    return linear_q8(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride, 4);
+}
+
+int int8_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* codes, const float* scale,
+                    int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+    return linear_q8(x, m, k, x_stride, (const uint8_t*)codes, scale, NULL, NULL, n0, n1, y, y_stride, 8);
 }

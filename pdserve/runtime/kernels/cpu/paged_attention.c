@@ -146,3 +146,26 @@ DEFINE_WEIGHTED_VALUES(paged_values_bf16_bf16, uint16_t, f32_to_bf16, uint16_t, 
 DEFINE_WEIGHTED_VALUES(paged_values_f32_f32, float, STORE_F32, float, load_row_f32, 0)
 DEFINE_WEIGHTED_VALUES(paged_values_bf16_i8, uint16_t, f32_to_bf16, int8_t, load_row_i8, 1)
 DEFINE_WEIGHTED_VALUES(paged_values_f32_i8, float, STORE_F32, int8_t, load_row_i8, 1)
+
+void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_len, const int64_t* lens);  // layer_ops.c
+
+// One call: scores into `scores` ([B, H, T_pad] scratch), their softmax in place, then out. k_offset
+// and v_offset: where the layer's keys and values start in a block (cache elements).
+#define DEFINE_ATTENTION(NAME, TQ, TC, SCORES, VALUES)                                                       \
+    int NAME(const TQ* q, TQ* out, float* scores, float scale, const TC* cache, const int64_t* block_tables,  \
+             const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads, int64_t kv_heads,  \
+             int64_t dim, int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,        \
+             int64_t t_pad) {                                                                                 \
+        if (SCORES(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,  \
+                   dim, block_size, block_stride, k_offset, t_pad))                                           \
+            return 1;                                                                                         \
+        softmax_rows_f32(scores, batch * heads, t_pad, heads, context_lens);                                  \
+        return VALUES(scores, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim, \
+                      block_size, block_stride, v_offset, t_pad);                                             \
+    }
+
+// Names: paged_attention_<query dtype>_<cache dtype>.
+DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, paged_scores_bf16_bf16, paged_values_bf16_bf16)
+DEFINE_ATTENTION(paged_attention_f32_f32, float, float, paged_scores_f32_f32, paged_values_f32_f32)
+DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)
+DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)

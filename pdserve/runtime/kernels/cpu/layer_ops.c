@@ -1,0 +1,194 @@
+// A decoder layer's row-wise fp32 operations on the CPU (pdserve.runtime.kernels.cpu_layer_ops):
+// RMSNorm with the residual add, rotate-half RoPE, SiLU-and-multiply, the softmax of decode
+// attention, and the copy of a step's keys and values into a float cache.
+//
+// Why hand-written: each is a few lines of arithmetic over a 576-float row, and torch spends
+// 10-70 us of dispatch on each (F.rms_norm is a composite of six ops on the CPU, RoPE five), which
+// made the glue between a decode step's matmuls cost as much as the matmuls themselves at a few
+// streams. These are also the functions the one-call decode step (decode_step.c) runs, compiled
+// once in their own unit: the eager step and the one-call step round every value the same way.
+//
+// Every row is computed alone, in a fixed order: a row's output does not depend on the other rows
+// of its call, nor on how many threads split them.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LAYER_OPS_AVX2 1
+#endif
+
+#define LANES 8
+
+// exp(x) for 8 floats (Cephes' expf: 2^n times a degree-6 polynomial of the remainder, within
+// about 2 ulp of expf over [-87, 88]; inputs are clamped there, so exp(-inf) comes out 2^-126 ~ 0).
+#ifdef LAYER_OPS_AVX2
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447505531f)), _mm256_set1_ps(88.3762626647949f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// BODY(a, b) for 8 elements at a time, i < n: full blocks loaded in place (LOAD_A, LOAD_B: pointers
+// to element i), the tail through zero-padded copies, so that every element takes the same
+// instructions wherever it sits in a row. STORE(i, value, count) writes the results.
+#define MAP8(n, SRC_A, SRC_B, BODY, STORE)                                                            \
+    for (int64_t i = 0; i < (n); i += LANES) {                                                        \
+        const int64_t w = (n) - i < LANES ? (n) - i : LANES;                                          \
+        float pa[LANES] = {0}, pb[LANES] = {0}, res[LANES];                                           \
+        const float* ra = (SRC_A) + i;                                                                \
+        const float* rb = (SRC_B) + i;                                                                \
+        if (w < LANES) {                                                                              \
+            memcpy(pa, ra, w * sizeof(float));                                                        \
+            memcpy(pb, rb, w * sizeof(float));                                                        \
+            ra = pa;                                                                                  \
+            rb = pb;                                                                                  \
+        }                                                                                             \
+        const __m256 a = _mm256_loadu_ps(ra), b = _mm256_loadu_ps(rb);                                \
+        (void)b;                                                                                      \
+        const __m256 value = BODY;                                                                    \
+        STORE;                                                                                        \
+    }
+#else
+static inline float exp1(float x) {
+    x = fminf(fmaxf(x, -87.3365447505531f), 88.3762626647949f);
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return ldexpf(p * r * r + r + 1.0f, (int)n);
+}
+#endif
+
+// out[r] = rms_norm(x[r] + residual[r]) * weight, summed[r] = x[r] + residual[r] (residual NULL:
+// out[r] = rms_norm(x[r]) * weight, summed untouched). The mean square is summed in double, then
+// rounded once: 1 / sqrt(mean + eps) in fp32, and each value is (value * inv) * weight.
+void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, const float* weight, int64_t n,
+                      int64_t d, float eps, float* out, float* summed) {
+    for (int64_t r = 0; r < n; r++) {
+        const float* xr = x + r * x_stride;
+        float* s = residual != NULL ? summed + r * d : NULL;
+        double ss = 0.0;
+        for (int64_t i = 0; i < d; i++) {
+            const float v = s != NULL ? xr[i] + residual[r * d + i] : xr[i];
+            if (s != NULL) s[i] = v;
+            ss += (double)v * v;
+        }
+        const float inv = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+        const float* src = s != NULL ? s : xr;
+        for (int64_t i = 0; i < d; i++) out[r * d + i] = (src[i] * inv) * weight[i];
+    }
+}
+
+// Rotate-half RoPE of `heads` heads of `dim` per row: x [n, heads, dim] (row stride x_stride) ->
+// out [n, heads, dim] contiguous (out == x allowed, stride dim * heads then). cos, sin [P, dim].
+//   out[i] = x[i] c[i] - x[i + h] s[i],  out[i + h] = x[i + h] c[i + h] + x[i] s[i + h]   (i < h = dim / 2)
+// Returns -1, writing nothing, where a position is outside [0, P).
+int rope_f32(const float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
+             const float* cos, const float* sin, int64_t max_positions, float* out) {
+    const int64_t half = dim / 2;
+    for (int64_t r = 0; r < n; r++)
+        if (positions[r] < 0 || positions[r] >= max_positions) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const float* c = cos + positions[r] * dim;
+        const float* s = sin + positions[r] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float* v = x + r * x_stride + h * dim;
+            float* o = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = v[i], hi = v[i + half];
+                const float a = lo * c[i], b = hi * s[i], e = hi * c[i + half], f = lo * s[i + half];
+                o[i] = a - b;
+                o[i + half] = e + f;
+            }
+        }
+    }
+    return 0;
+}
+
+// out [n, inter] = silu(gate) * up, gate_up [n, 2 * inter] (gate first) with row stride `stride`;
+// silu(g) = g / (1 + exp(-g)).
+void silu_mul_f32(const float* gate_up, int64_t stride, int64_t n, int64_t inter, float* out) {
+    for (int64_t r = 0; r < n; r++) {
+        const float* g = gate_up + r * stride;
+        const float* u = g + inter;
+        float* o = out + r * inter;
+#ifdef LAYER_OPS_AVX2
+        MAP8(inter, g, u,
+             _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                          exp8(_mm256_sub_ps(_mm256_setzero_ps(), a)))), b),
+             if (w == LANES) _mm256_storeu_ps(o + i, value);
+             else { _mm256_storeu_ps(res, value); memcpy(o + i, res, w * sizeof(float)); })
+#else
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+#endif
+    }
+}
+
+// In place: each of `rows` rows of t_pad scores becomes the softmax of its first len[row / per_len]
+// values (those past it are left as they are: nobody reads them). Sums in a fixed order.
+void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_len, const int64_t* lens) {
+    for (int64_t row = 0; row < rows; row++) {
+        float* x = scores + row * t_pad;
+        const int64_t len = lens[row / per_len];
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < len; i++) mx = x[i] > mx ? x[i] : mx;
+        float lane[LANES] = {0};
+#ifdef LAYER_OPS_AVX2
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 acc = _mm256_setzero_ps();
+        MAP8(len, x, x, exp8(_mm256_sub_ps(a, m)),
+             if (w == LANES) {
+                 _mm256_storeu_ps(x + i, value);
+                 acc = _mm256_add_ps(acc, value);
+             } else {
+                 _mm256_storeu_ps(res, value);
+                 memcpy(x + i, res, w * sizeof(float));
+                 for (int64_t l = 0; l < w; l++) lane[l] += res[l];
+             })
+        {
+            float part[LANES];
+            _mm256_storeu_ps(part, acc);
+            for (int l = 0; l < LANES; l++) lane[l] += part[l];
+        }
+#else
+        for (int64_t i = 0; i < len; i++) {
+            x[i] = exp1(x[i] - mx);
+            lane[i % LANES] += x[i];
+        }
+#endif
+        float sum = 0.0f;
+        for (int l = 0; l < LANES; l++) sum += lane[l];
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < len; i++) x[i] *= inv;
+    }
+}
+
+// Rows k[i], v[i] ([row_bytes] each, row strides in bytes) into token slot slots[i] of a float cache
+// [num_blocks, layers, 2, block_size, row]: the slot's K row at block * block_stride + k_offset +
+// offset * row_bytes, its V row block_size rows further (all in bytes).
+void kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
+                   int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset) {
+    for (int64_t i = 0; i < n; i++) {
+        char* dst = cache + (slots[i] / block_size) * block_stride + k_offset + (slots[i] % block_size) * row_bytes;
+        memcpy(dst, k + i * k_stride, (size_t)row_bytes);
+        memcpy(dst + block_size * row_bytes, v + i * v_stride, (size_t)row_bytes);
+    }
+}

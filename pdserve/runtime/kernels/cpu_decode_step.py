@@ -1,0 +1,126 @@
+"""A decode step of a 4-bit fp32 model in one C call on the CPU (kernels/cpu/decode_step.c).
+
+The CPU's counterpart of CUDA graph replay: where a step holds only decode tokens (one generated
+token per sequence), every layer runs in C without returning to Python, through the very functions
+the eager step calls one at a time, in the same order, so both steps give the same bits. It runs on
+one thread (the serving default where workers share a host's cores); with more threads the eager
+step runs, its matmuls split over them. `DecodeStepPlan.of` returns None for a model it does not
+cover: a projection that is not 4-bit with fp32 activations on our kernel, a column permutation,
+tensor parallelism, shapes past the attention's buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.runtime.attention import AttentionMetadata
+from pdserve.runtime.kernels import cpu_attention
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Int4Weights(ctypes.Structure):
+    _fields_ = [("codes", _P), ("scale", _P), ("mins", _P), ("bias", _P), ("out_features", _I), ("in_features", _I)]
+
+
+class _LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Int4Weights), ("o", _Int4Weights),
+                ("gate_up", _Int4Weights), ("down", _Int4Weights)]
+
+
+class _DecodeStep(ctypes.Structure):
+    _fields_ = [("batch", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("intermediate", _I), ("num_layers", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
+                ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
+                ("context_lens", _P), ("final_norm", _P)]
+
+
+def _int4_weights(linear) -> _Int4Weights | None:
+    """A projection as the C step reads it, or None where it is not on our fp32 4-bit kernel."""
+    from pdserve.quant.int4_cpu import Int4Linear  # noqa: PLC0415 (quant imports the runtime)
+
+    if not isinstance(linear, Int4Linear) or linear.mins is None or linear.perm is not None:
+        return None
+    bias = 0 if linear.bias is None else linear.bias.data_ptr()
+    return _Int4Weights(linear.nibbles.data_ptr(), linear.scale.data_ptr(), linear.mins.data_ptr(), bias,
+                        linear.out_features, linear.in_features)
+
+
+def _norm_ptr(weight: torch.Tensor) -> int | None:
+    ok = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+    return weight.data_ptr() if ok else None
+
+
+@dataclass(frozen=True)
+class DecodeStepPlan:
+    """A model's layers as pointers for the C step; it holds the model, so they stay valid."""
+
+    model: object  # the LlamaModel
+    planned: tuple  # its DecoderLayers, held: the pointers point into their tensors
+    layers: ctypes.Array
+
+    @classmethod
+    def of(cls, model) -> DecodeStepPlan | None:
+        """The plan of `model` (a LlamaModel), or None where the C step does not cover it."""
+        from pdserve.runtime.model import DecoderLayer  # noqa: PLC0415 (the model imports this module)
+
+        lib, c = cpu_attention.library(), model.config
+        if not model.layers or not all(type(layer) is DecoderLayer for layer in model.layers):
+            return None  # wrapped or replaced layers (a test's taps, another stage's): theirs to run
+        first = model.layers[0].ctx
+        if (lib is None or first is None or first.all_reduce is not None or first.cos.dtype != torch.float32
+                or not first.cos.is_contiguous() or not first.sin.is_contiguous() or first.cos.device.type != "cpu"
+                or c.num_heads > cpu_attention.MAX_HEADS or c.head_dim > cpu_attention.MAX_HEAD_DIM
+                or _norm_ptr(model.final_norm) is None):
+            return None
+        d, width = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        layers = (_LayerWeights * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            weights = [_int4_weights(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            norms = [_norm_ptr(layer.input_norm), _norm_ptr(layer.post_norm)]
+            if None in weights or None in norms or layer.index != i:  # i: its layer in the cache too
+                return None
+            shapes = [(w.out_features, w.in_features) for w in weights]
+            inter = shapes[3][1]
+            if shapes != [(width, d), (d, c.num_heads * c.head_dim), (2 * inter, d), (d, inter)]:
+                return None
+            layers[i] = _LayerWeights(*norms, *weights)
+        return cls(model, tuple(model.layers), layers)
+
+    def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
+        """Whether the step of `meta` runs here: decode tokens only, each one generated (not a prompt's
+        last token run as a decode), an fp32 cache, one torch thread, the layers it planned."""
+        return (not meta.prefills and meta.num_decode_tokens == hidden.shape[0] and meta.generated_rows is not None
+                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and hidden.dtype == torch.float32
+                and torch.get_num_threads() == 1 and len(self.model.layers) == len(self.planned)
+                and all(a is b for a, b in zip(self.model.layers, self.planned))  # none replaced since
+                and bool(meta.generated_rows.all()))
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, D] the tokens' embeddings -> the final norm's output [B, D]; writes the step's KV."""
+        model, c = self.model, self.model.config
+        ctx = model.layers[0].ctx
+        step_tensors = [t.to(torch.int64).contiguous() for t in
+                        (positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)]
+        pos, slots, tables, lens = step_tensors
+        hidden = hidden.contiguous()
+        out = torch.empty_like(hidden)
+        step = _DecodeStep(hidden.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                           model.layers[0].down.in_features, len(model.layers), c.rms_norm_eps, model.scale,
+                           ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.shape[0], pos.data_ptr(), slots.data_ptr(),
+                           kv_cache.data_ptr(), kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
+                           tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr())
+        err = cpu_attention.library().decode_step_f32(ctypes.byref(step), self.layers, hidden.data_ptr(),
+                                                      out.data_ptr())
+        if err == 1:
+            raise MemoryError(f"no scratch for a decode step of {hidden.shape[0]} sequences")
+        if err == 2:
+            raise IndexError(f"a position past the RoPE tables ({ctx.cos.shape[0]} positions)")
+        if err:
+            raise RuntimeError(f"the C decode step refused its shapes (error {err})")
+        return out

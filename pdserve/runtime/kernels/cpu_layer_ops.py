@@ -1,0 +1,84 @@
+"""A decoder layer's fp32 row operations in C on the CPU (kernels/cpu/layer_ops.c, built into
+cpu_attention's library): RMSNorm with the residual add, RoPE, SiLU-and-multiply, the float KV write.
+
+torch spends more on dispatching these than on their arithmetic at a few tokens a step (its CPU
+RMSNorm alone is six ops); one C call each is a few microseconds. They are also what the one-call
+decode step (cpu_decode_step) runs, so the eager step and that step agree to the bit. Each function
+returns None where it does not apply (not fp32 on the CPU, a layout it does not take, no library):
+the caller runs torch's path, the reference (torch_ops).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.runtime.kernels import cpu_attention
+
+def _rows_f32(x: torch.Tensor) -> bool:
+    """An fp32 CPU tensor whose rows are contiguous, outside autograd (C has no backward: training,
+    such as QAT's, takes torch's path)."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+            and not (x.requires_grad and torch.is_grad_enabled()))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x, residual: [N, D] -> (rms_norm(x + residual) * weight, x + residual); residual None: (rms_norm(x)
+    * weight, x). None where it does not apply."""
+    lib = cpu_attention.library()
+    if lib is None or x.dim() != 2 or not _rows_f32(x) or not _rows_f32(weight) or (residual is not None and not (
+            _rows_f32(residual) and residual.is_contiguous() and residual.shape == x.shape)):
+        return None
+    n, d = x.shape
+    out = torch.empty((n, d), dtype=torch.float32)
+    summed = x if residual is None else torch.empty((n, d), dtype=torch.float32)
+    lib.add_rms_norm_f32(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), weight.contiguous().data_ptr(),
+        n, d, eps, out.data_ptr(), None if residual is None else summed.data_ptr())
+    return out, summed
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x: [N, H, D] with each row's heads contiguous (a view of the fused qkv output) -> rotated [N, H, D]
+    contiguous; positions [N] int64; cos, sin [P, D] contiguous. None where it does not apply (a position
+    outside [0, P) included)."""
+    n, h, d = x.shape
+    lib = cpu_attention.library()
+    if (lib is None or not _rows_f32(x) or x.stride(1) != d or positions.dtype != torch.int64
+            or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+            or not positions.is_contiguous()):
+        return None
+    out = torch.empty((n, h, d), dtype=torch.float32)
+    failed = lib.rope_f32(x.data_ptr(), x.stride(0), n, h, d, positions.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), cos.shape[0], out.data_ptr())
+    return None if failed else out  # a position past the tables: torch's path raises the IndexError
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up: [N, 2 I] (gate first) -> silu(gate) * up [N, I]. None where it does not apply."""
+    lib = cpu_attention.library()
+    if lib is None or gate_up.dim() != 2 or not _rows_f32(gate_up):
+        return None
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, inter), dtype=torch.float32)
+    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), n, inter, out.data_ptr())
+    return out
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """k, v: [N, KVH, D] (each row's heads contiguous) into their slots of a float cache of their own dtype
+    ([num_blocks, layers, 2, block_size, KVH, D], contiguous). False where it does not apply."""
+    if (kv_cache.device.type != "cpu" or not kv_cache.is_contiguous() or k.dtype != kv_cache.dtype
+            or v.dtype != kv_cache.dtype or kv_cache.dtype not in (torch.float32, torch.bfloat16)
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or cpu_attention.library() is None):
+        return False
+    _, layers, _, block_size, kvh, d = kv_cache.shape
+    if any(t.stride(2) != 1 or t.stride(1) != d for t in (k, v)):
+        return False
+    es = kv_cache.element_size()
+    row = kvh * d * es
+    cpu_attention.library().kv_write_rows(kv_cache.data_ptr(), k.data_ptr(), k.stride(0) * es, v.data_ptr(),
+                                          v.stride(0) * es, slot_mapping.data_ptr(), k.shape[0], row, block_size,
+                                          layers * 2 * block_size * row, layer * 2 * block_size * row)
+    return True

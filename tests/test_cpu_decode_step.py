@@ -1,0 +1,130 @@
+"""The one-call C decode step (pdserve.runtime.kernels.cpu_decode_step) against the eager step: the
+same engine, the same requests, every decode step's hidden states, logits and KV cache equal bit for
+bit; where it steps aside (more threads, a prompt row, another format) and what it refuses."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from pdserve.runtime.config import CacheConfig, EngineConfig
+from pdserve.runtime.engine import Engine
+from pdserve.runtime.kernels import cpu_attention
+from pdserve.runtime.kernels.cpu_decode_step import DecodeStepPlan
+from pdserve.runtime.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler: the kernels cannot be built")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _int4_engine(checkpoint) -> Engine:
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=96), dtype="float32",
+                                                             weight_format="int4"))
+    engine.keep_logits = True
+    return engine
+
+
+@pytest.fixture(scope="module")
+def int4_engine(smollm2) -> Engine:
+    return _int4_engine(smollm2)
+
+
+def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypatch, one_call: bool) -> dict:
+    """Every forward's output and logits of greedy requests from `prompts`, the tokens, the final KV
+    cache, and how many steps the C step ran (none unless `one_call`)."""
+    model = engine.runner.model
+    runs, hidden = [0], []
+    plan_run = DecodeStepPlan.run
+
+    def counted(self, *args):
+        runs[0] += 1
+        return plan_run(self, *args)
+
+    def recorded(*args):
+        out = type(model).forward(model, *args)
+        hidden.append(out.clone())
+        return out
+
+    monkeypatch.setattr(DecodeStepPlan, "run", counted)
+    monkeypatch.setattr(model, "forward", recorded)
+    if not one_call:
+        monkeypatch.setattr(model, "one_call_decode_step", lambda: None)
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    tokens: dict[str, list[int]] = {}
+    logits = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        logits.append(engine.last_logits.clone())
+    monkeypatch.undo()
+    return {"hidden": hidden, "logits": logits, "tokens": tokens, "kv": engine.runner.kv_cache.clone(),
+            "c_steps": runs[0]}
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, monkeypatch):
+    """On one thread (the prompts' dense GEMM rounds by thread count), decode steps in C and the eager
+    layers, each on an engine of its own (the same blocks, no prefix cached from the other). Prompts of
+    several lengths put contexts across block boundaries (16-token blocks)."""
+    prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (3 * i)) for i in range(batch)]
+    with torch_threads(1):
+        one_call = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=True)
+        eager = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=False)
+    assert one_call["c_steps"] == 11 and eager["c_steps"] == 0  # every step after the prompts' one
+    assert one_call["tokens"] == eager["tokens"]
+    assert len(one_call["hidden"]) == len(eager["hidden"])
+    for a, b in zip(one_call["hidden"], eager["hidden"]):
+        assert torch.equal(a, b)
+    for a, b in zip(one_call["logits"], eager["logits"]):
+        assert torch.equal(a, b)
+    assert torch.equal(one_call["kv"], eager["kv"])
+
+
+def test_a_decode_row_of_a_prompt_token_runs_eagerly(int4_engine, smollm2):
+    """A resumed request's last prompt token, run as a decode, is a prompt row: dense, so not here."""
+    from pdserve.runtime.attention import AttentionMetadata
+
+    plan = int4_engine.runner.model.one_call_decode_step()
+    hidden, cache = torch.zeros(2, 576), int4_engine.runner.kv_cache
+
+    def meta(generated: list[bool]) -> AttentionMetadata:
+        return AttentionMetadata(torch.tensor([0, 16]), 2, torch.tensor([[0], [1]]), torch.tensor([1, 1]), (),
+                                 torch.tensor(generated))
+
+    with torch_threads(1):
+        assert plan.applies(hidden, meta([True, True]), cache)
+        assert not plan.applies(hidden, meta([True, False]), cache)
+        assert not plan.applies(hidden, AttentionMetadata(torch.tensor([0, 16]), 2, torch.tensor([[0], [1]]),
+                                                          torch.tensor([1, 1]), ()), cache)  # kinds not told
+    with torch_threads(2):
+        assert not plan.applies(hidden, meta([True, True]), cache)
+
+
+def test_a_position_past_the_rope_tables_is_an_index_error(int4_engine):
+    from pdserve.runtime.attention import AttentionMetadata
+
+    plan = int4_engine.runner.model.one_call_decode_step()
+    past = int4_engine.runner.model.config.max_position_embeddings
+    meta = AttentionMetadata(torch.tensor([0]), 1, torch.tensor([[0]]), torch.tensor([1]), (), torch.tensor([True]))
+    with pytest.raises(IndexError, match="RoPE tables"):
+        plan.run(torch.zeros(1, 576), torch.tensor([past]), meta, int4_engine.runner.kv_cache)
+
+
+def test_models_it_does_not_cover_have_no_plan(smollm2):
+    """Dense fp32 keeps MKL's matmuls (eager); bf16 int4 runs torch's kernel."""
+    dense = Engine.from_checkpoint(smollm2, EngineConfig(cache=CacheConfig(num_blocks=8), dtype="float32",
+                                                         weight_format="dense"))
+    assert dense.runner.model.one_call_decode_step() is None

@@ -1,0 +1,116 @@
+"""The C row operations of a decoder layer (pdserve.runtime.kernels.cpu_layer_ops) against torch's
+paths (torch_ops.*_torch, computed in float64 where rounding matters), their row independence, and
+where they hand back to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.runtime.kernels import cpu_attention, cpu_layer_ops, torch_ops
+
+pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler: the kernels cannot be built")
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def _randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=GEN) * scale
+
+
+@pytest.mark.parametrize("d", [576, 64, 13])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_is_the_float64_norm_to_fp32_rounding(d, with_residual):
+    wide = _randn(5, d + 7, scale=3.0)
+    x = wide[:, :d]  # rows with a stride, as a view of a wider output
+    residual = _randn(5, d) if with_residual else None
+    weight = _randn(d)
+    out, summed = cpu_layer_ops.add_rms_norm(x, residual, weight, 1e-5)
+    s = x.double() + (residual.double() if with_residual else 0)
+    want = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(summed, x + residual) if with_residual else summed is x
+    theirs = torch_ops.rms_norm_torch(s.float(), weight, 1e-5)  # torch's own fp32 norm: as close
+    torch.testing.assert_close(out, theirs, rtol=2e-6, atol=1e-6)
+
+
+def test_rope_equals_torch_rotate_half_on_views_of_the_fused_output():
+    n, h, kvh, d = 6, 9, 3, 64
+    cos, sin = torch_ops.rope_cos_sin(d, 4096, 10000.0)
+    qkv = _randn(n, (h + 2 * kvh) * d, scale=2.0)
+    q, k, _ = qkv.split((h * d, kvh * d, kvh * d), dim=-1)
+    q, k = q.view(n, h, d), k.view(n, kvh, d)
+    positions = torch.tensor([0, 1, 17, 300, 4095, 2048])
+    got_q, got_k = torch_ops.apply_rope(q, k, positions, cos, sin)
+    want_q, want_k = torch_ops.apply_rope_torch(q.double(), k.double(), positions, cos.double(), sin.double())
+    torch.testing.assert_close(got_q.double(), want_q, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(got_k.double(), want_k, rtol=1e-6, atol=2e-6)
+    assert got_q.is_contiguous() and torch.equal(qkv[:, :h * d].view(n, h, d), q)  # its input untouched
+
+
+def test_rope_of_a_position_past_the_tables_raises_as_torch_does():
+    cos, sin = torch_ops.rope_cos_sin(64, 128, 10000.0)
+    q, k = _randn(2, 9, 64), _randn(2, 3, 64)
+    assert cpu_layer_ops.rope(q, torch.tensor([3, 128]), cos, sin) is None
+    with pytest.raises(IndexError):
+        torch_ops.apply_rope(q, k, torch.tensor([3, 128]), cos, sin)
+
+
+@pytest.mark.parametrize("inter", [1536, 13, 8])
+def test_silu_and_mul_matches_torch_across_the_exponent_range(inter):
+    gate_up = _randn(4, 2 * inter, scale=4.0)
+    gate_up[0, :inter] = torch.linspace(-100.0, 100.0, inter)  # exp's clamps: silu -> 0 and -> gate
+    got = torch_ops.silu_and_mul(gate_up)
+    want = torch_ops.silu_and_mul_torch(gate_up.double())
+    torch.testing.assert_close(got.double(), want, rtol=3e-6, atol=1e-6)
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch():
+    """Each row is computed by itself: batched equals alone for every row operation, bit for bit."""
+    x, residual, weight, gate_up = _randn(9, 576), _randn(9, 576), _randn(576), _randn(9, 3072, scale=3.0)
+    cos, sin = torch_ops.rope_cos_sin(64, 512, 10000.0)
+    q, positions = _randn(9, 9, 64), torch.arange(100, 109)
+    batch_norm, _ = cpu_layer_ops.add_rms_norm(x, residual, weight, 1e-5)
+    batch_rope = cpu_layer_ops.rope(q, positions, cos, sin)
+    batch_act = cpu_layer_ops.silu_and_mul(gate_up)
+    for r in range(9):
+        assert torch.equal(cpu_layer_ops.add_rms_norm(x[r:r + 1], residual[r:r + 1], weight, 1e-5)[0][0], batch_norm[r])
+        assert torch.equal(cpu_layer_ops.rope(q[r:r + 1], positions[r:r + 1], cos, sin)[0], batch_rope[r])
+        assert torch.equal(cpu_layer_ops.silu_and_mul(gate_up[r:r + 1])[0], batch_act[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_torch_indexing(dtype):
+    cache = torch.zeros(6, 3, 2, 16, 3, 64, dtype=dtype)
+    want = cache.clone()
+    qkv = _randn(5, 9 * 64 + 2 * 3 * 64).to(dtype)
+    _, k, v = qkv.split((9 * 64, 3 * 64, 3 * 64), dim=-1)
+    k, v = k.view(5, 3, 64), v.view(5, 3, 64)
+    slots = torch.tensor([0, 17, 35, 95, 64])
+    assert cpu_layer_ops.write_kv(cache, 1, k, v, slots)
+    blocks, offsets = slots // 16, slots % 16
+    want[blocks, 1, 0, offsets] = k
+    want[blocks, 1, 1, offsets] = v
+    assert torch.equal(cache, want)
+
+
+def test_other_dtypes_and_layouts_hand_back_to_torch():
+    x = _randn(2, 64)
+    assert cpu_layer_ops.add_rms_norm(x.bfloat16(), None, _randn(64).bfloat16(), 1e-5) is None
+    assert cpu_layer_ops.add_rms_norm(x.t().contiguous().t(), None, _randn(2), 1e-5) is None  # column-major rows
+    assert cpu_layer_ops.silu_and_mul(_randn(2, 16).half()) is None
+    cache = torch.zeros(2, 1, 2, 16, 1, 64)
+    assert not cpu_layer_ops.write_kv(cache, 0, x.bfloat16().view(2, 1, 64), x.bfloat16().view(2, 1, 64),
+                                      torch.tensor([0, 1]))  # a bf16 input into an fp32 cache: torch converts
+    got = torch_ops.rms_norm(x.bfloat16(), _randn(64).bfloat16(), 1e-5)
+    assert got.dtype == torch.bfloat16
+
+
+def test_inputs_that_need_gradients_take_torchs_differentiable_path():
+    """C has no backward: training through the layer (QAT) must still get gradients."""
+    x, weight = _randn(3, 64).requires_grad_(), _randn(64).requires_grad_()
+    gate_up = _randn(3, 32).requires_grad_()
+    (torch_ops.rms_norm(x, weight, 1e-5).sum() + torch_ops.silu_and_mul(gate_up).sum()).backward()
+    assert x.grad is not None and weight.grad is not None and gate_up.grad is not None
+    with torch.no_grad():
+        assert cpu_layer_ops.add_rms_norm(x, None, weight, 1e-5) is not None  # no graph wanted: C
