@@ -3,6 +3,9 @@
 Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--formats int4,dense]
            [--batches 1,8,32] [--steps 20] [--threads 2]
 
+A format with the suffix `-eager` (e.g. `int4-eager`) runs that format's decode steps layer by layer
+from Python, never the one-call C step (kernels.cpu_decode_step, which 4-bit fp32 models take).
+
 For every format and batch size: B sequences of 32-token prompts are prefilled, 3 decode steps warm
 up, then `--steps` decode steps are timed (wall clock around `Engine.step()`). Prints one JSON line
 and then a table with each format's speed relative to the first one. Default model: SmolLM2's GGUF
@@ -61,16 +64,18 @@ def main() -> int:
     for fmt in args.formats.split(","):
         config = EngineConfig(cache=CacheConfig(num_blocks=64 * max(batches), dtype=args.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
-                              weight_format=fmt)
+                              weight_format=fmt.removesuffix("-eager"))
         engine = Engine.from_checkpoint(checkpoint, config)
+        if fmt.endswith("-eager"):
+            engine.runner.model.run_decode_steps_eagerly()
         results[fmt] = {b: step_ms(engine, b, args.steps) for b in batches}
     print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype, "threads": args.threads,
                       "step_ms": results}))
     base = list(results)[-1]
-    print(f"{'format':8} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'vs ' + base:>10}")
+    print(f"{'format':10} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'vs ' + base:>12}")
     for fmt, by_batch in results.items():
         for b, ms in by_batch.items():
-            print(f"{fmt:8} {b:5d} {ms:9.1f} {b / ms * 1e3:8.0f} {results[base][b] / ms:9.2f}x")
+            print(f"{fmt:10} {b:5d} {ms:9.1f} {b / ms * 1e3:8.0f} {results[base][b] / ms:11.2f}x")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The one-call C decode step (pdserve.runtime.kernels.cpu_decode_step) against the eager step: the
 same engine, the same requests, every decode step's hidden states, logits and KV cache equal bit for
-bit; where it steps aside (more threads, a prompt row, another format) and what it refuses."""
+bit, on one thread and split over two; where it steps aside (a prompt row, another format) and what
+it refuses."""
 
 from __future__ import annotations
 
@@ -74,13 +75,14 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
             "c_steps": runs[0]}
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, monkeypatch):
-    """On one thread (the prompts' dense GEMM rounds by thread count), decode steps in C and the eager
+@pytest.mark.parametrize("batch,threads", [(1, 1), (5, 1), (5, 2)])
+def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, threads, monkeypatch):
+    """On the same thread count (the prompts' dense GEMM rounds by it), decode steps in C and the eager
     layers, each on an engine of its own (the same blocks, no prefix cached from the other). Prompts of
-    several lengths put contexts across block boundaries (16-token blocks)."""
+    several lengths put contexts across block boundaries (16-token blocks); two threads split every
+    phase of the C step (5 sequences: 3 and 2)."""
     prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (3 * i)) for i in range(batch)]
-    with torch_threads(1):
+    with torch_threads(threads):
         one_call = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=True)
         eager = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=False)
     assert one_call["c_steps"] == 11 and eager["c_steps"] == 0  # every step after the prompts' one
@@ -104,13 +106,11 @@ def test_a_decode_row_of_a_prompt_token_runs_eagerly(int4_engine, smollm2):
         return AttentionMetadata(torch.tensor([0, 16]), 2, torch.tensor([[0], [1]]), torch.tensor([1, 1]), (),
                                  torch.tensor(generated))
 
-    with torch_threads(1):
-        assert plan.applies(hidden, meta([True, True]), cache)
-        assert not plan.applies(hidden, meta([True, False]), cache)
-        assert not plan.applies(hidden, AttentionMetadata(torch.tensor([0, 16]), 2, torch.tensor([[0], [1]]),
-                                                          torch.tensor([1, 1]), ()), cache)  # kinds not told
-    with torch_threads(2):
-        assert not plan.applies(hidden, meta([True, True]), cache)
+    assert plan.applies(hidden, meta([True, True]), cache)
+    assert not plan.applies(hidden, meta([True, False]), cache)
+    assert not plan.applies(hidden, AttentionMetadata(torch.tensor([0, 16]), 2, torch.tensor([[0], [1]]),
+                                                      torch.tensor([1, 1]), ()), cache)  # kinds not told
+    assert not plan.applies(hidden.bfloat16(), meta([True, True]), cache)
 
 
 def test_a_position_past_the_rope_tables_is_an_index_error(int4_engine):

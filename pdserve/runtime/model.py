@@ -222,6 +222,10 @@ class LlamaModel:
             self._decode_step = DecodeStepPlan.of(self) if self.kernels is torch_ops else None
         return self._decode_step
 
+    def run_decode_steps_eagerly(self) -> None:
+        """Layer by layer from Python from now on, never the one-call C step (a benchmark's baseline)."""
+        self._decode_step = None
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [N] -> embeddings [N, D] (a vocabulary-parallel rank overrides it)."""
         if isinstance(self.embed, torch.Tensor):

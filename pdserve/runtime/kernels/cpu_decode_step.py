@@ -3,8 +3,9 @@
 The CPU's counterpart of CUDA graph replay: where a step holds only decode tokens (one generated
 token per sequence), every layer runs in C without returning to Python, through the very functions
 the eager step calls one at a time, in the same order, so both steps give the same bits. It runs on
-one thread (the serving default where workers share a host's cores); with more threads the eager
-step runs, its matmuls split over them. `DecodeStepPlan.of` returns None for a model it does not
+torch's thread count for the calling thread: the C side starts the extra threads for the step and
+splits each phase over them (projections by output rows, the rest by sequences), which changes no
+bit either. `DecodeStepPlan.of` returns None for a model it does not
 cover: a projection that is not 4-bit with fp32 activations on our kernel, a column permutation,
 tensor parallelism, shapes past the attention's buffers.
 """
@@ -93,10 +94,10 @@ class DecodeStepPlan:
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether the step of `meta` runs here: decode tokens only, each one generated (not a prompt's
-        last token run as a decode), an fp32 cache, one torch thread, the layers it planned."""
+        last token run as a decode), an fp32 cache, the layers it planned."""
         return (not meta.prefills and meta.num_decode_tokens == hidden.shape[0] and meta.generated_rows is not None
                 and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and hidden.dtype == torch.float32
-                and torch.get_num_threads() == 1 and len(self.model.layers) == len(self.planned)
+                and len(self.model.layers) == len(self.planned)
                 and all(a is b for a, b in zip(self.model.layers, self.planned))  # none replaced since
                 and bool(meta.generated_rows.all()))
 
@@ -116,7 +117,7 @@ class DecodeStepPlan:
                            kv_cache.data_ptr(), kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
                            tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr())
         err = cpu_attention.library().decode_step_f32(ctypes.byref(step), self.layers, hidden.data_ptr(),
-                                                      out.data_ptr())
+                                                      out.data_ptr(), torch.get_num_threads())
         if err == 1:
             raise MemoryError(f"no scratch for a decode step of {hidden.shape[0]} sequences")
         if err == 2:

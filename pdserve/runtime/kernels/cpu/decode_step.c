@@ -7,10 +7,15 @@
 // about 15 ms, and the calls around them cost nearly as much again. Here the same C functions that
 // the eager step calls one by one (layer_ops.c, paged_attention.c, int4_matmul.c, other units of the
 // same library: not inlined, so the same machine code) run in the eager step's order on the same
-// values, so the two steps agree to the bit (tests/test_cpu_decode_step.py holds them to it).
+// values, so the two steps agree to the bit (tests/test_cpu_decode_step.py holds them to it). With
+// more than one thread, each phase is split as the eager step splits it (projections by output
+// rows, row operations and attention by sequences), a barrier between phases.
 //
 // Shapes: B sequences, one token each; D hidden, H query heads, KVH kv heads, hd head dim, I the
 // MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] fp32, contiguous.
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,11 +66,6 @@ typedef struct {
     const float* final_norm;      // [D]
 } DecodeStep;
 
-static void linear(const Int4Weights* w, const float* x, int64_t m, float* y) {
-    int4_linear_f32(x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins, w->bias, 0, w->out_features,
-                    y, w->out_features);
-}
-
 // Scratch of one step, one allocation.
 typedef struct {
     float *residual, *normed, *qkv, *q, *k, *attn, *o, *gate_up, *act, *down, *scores;
@@ -90,47 +90,155 @@ static float* scratch_alloc(const DecodeStep* s, Scratch* b) {
     return base;
 }
 
-// Layer l: its input is the previous layer's MLP output `b->down` and the residual stream before it
-// (layer 0: the embeddings, in b->residual); its own MLP output goes to b->down.
-static int layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b) {
-    const int64_t B = s->batch, D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads;
-    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd;
-    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row;  // cache elements
-    if (l == 0)
-        add_rms_norm_f32(b->residual, D, NULL, w->input_norm, B, D, s->eps, b->normed, NULL);
-    else
-        add_rms_norm_f32(b->down, D, b->residual, w->input_norm, B, D, s->eps, b->normed, b->residual);
-    linear(&w->qkv, b->normed, B, b->qkv);
-    if (rope_f32(b->qkv, width, B, H, hd, s->positions, s->cos, s->sin, s->max_positions, b->q) ||
-        rope_f32(b->qkv + H * hd, width, B, KVH, hd, s->positions, s->cos, s->sin, s->max_positions, b->k))
-        return 2;
-    kv_write_rows((char*)s->cache, (const char*)b->k, row * 4, (const char*)(b->qkv + (H + KVH) * hd), width * 4,
-                  s->slots, B, row * 4, s->block_size, block_stride * 4, l * 2 * s->block_size * row * 4);
-    if (paged_attention_f32_f32(b->q, b->attn, b->scores, s->scale, s->cache, s->block_tables, s->context_lens, B,
-                                s->max_blocks, H, KVH, hd, s->block_size, block_stride,
-                                l * 2 * s->block_size * row, (l * 2 + 1) * s->block_size * row,
-                                s->max_blocks * s->block_size))
-        return 3;
-    linear(&w->o, b->attn, B, b->o);
-    add_rms_norm_f32(b->o, D, b->residual, w->post_norm, B, D, s->eps, b->normed, b->residual);
-    linear(&w->gate_up, b->normed, B, b->gate_up);
-    silu_mul_f32(b->gate_up, 2 * s->intermediate, B, s->intermediate, b->act);
-    linear(&w->down, b->act, B, b->down);
-    return 0;
+// A barrier of the step's threads: spun on briefly (the others' part of a phase is microseconds
+// away), then yielding the core. Sense by generation count.
+typedef struct {
+    atomic_int arrived, generation;
+    int size;
+} SpinBarrier;
+
+static void barrier_wait(SpinBarrier* b) {
+    if (b->size == 1) return;
+    const int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->size - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; spins++)
+        if (spins > 4000) sched_yield();
 }
 
-// embeddings [B, D] -> out [B, D]: the final norm of the last layer's output. Returns 0; 1 where the
-// scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the attention does
-// not take (nothing written to out then; the cache may hold this step's first layers' KV).
-int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float* embeddings, float* out) {
+typedef struct {
+    const DecodeStep* s;
+    const LayerWeights* layers;
+    const float* embeddings;
+    float* out;
     Scratch b;
-    float* base = scratch_alloc(s, &b);
+    SpinBarrier barrier;
+    atomic_int started;  // 0 until the team's size is known (threads that could not start are not in it)
+} Team;
+
+typedef struct {
+    Team* team;
+    int id;
+} Member;
+
+// Member id's share [lo, hi) of total items in `parts` parts, bounds multiples of `align`.
+static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, int64_t* hi) {
+    *lo = total * id / parts / align * align;
+    *hi = id + 1 == parts ? total : total * (id + 1) / parts / align * align;
+}
+
+// A projection's output rows split over the team (aligned to the kernel's 2-row tiles).
+static void linear_part(const Int4Weights* w, const float* x, int64_t m, float* y, int id, int parts) {
+    int64_t n0, n1;
+    share(w->out_features, id, parts, 2, &n0, &n1);
+    if (n1 > n0)
+        int4_linear_f32(x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins, w->bias, n0, n1, y,
+                        w->out_features);
+}
+
+// Layer l of member `id` of `parts`: its input is the previous layer's MLP output b->down and the
+// residual stream before it (layer 0: the embeddings, in b->residual); its own MLP output goes to
+// b->down. Rows (row operations, attention's sequences) and output features (projections) are
+// split over the members, a barrier after each phase; every value is computed as on one thread.
+static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b, int id, int parts,
+                       SpinBarrier* bar) {
+    const int64_t D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads, I = s->intermediate;
+    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd, t_pad = s->max_blocks * s->block_size;
+    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row;  // cache elements
+    int64_t r0, r1;
+    share(s->batch, id, parts, 1, &r0, &r1);
+    const int64_t n = r1 - r0;
+    if (n && l == 0)
+        add_rms_norm_f32(b->residual + r0 * D, D, NULL, w->input_norm, n, D, s->eps, b->normed + r0 * D, NULL);
+    else if (n)
+        add_rms_norm_f32(b->down + r0 * D, D, b->residual + r0 * D, w->input_norm, n, D, s->eps, b->normed + r0 * D,
+                         b->residual + r0 * D);
+    barrier_wait(bar);
+    linear_part(&w->qkv, b->normed, s->batch, b->qkv, id, parts);
+    barrier_wait(bar);
+    if (n) {  // positions checked before the step: RoPE cannot fail here
+        rope_f32(b->qkv + r0 * width, width, n, H, hd, s->positions + r0, s->cos, s->sin, s->max_positions,
+                 b->q + r0 * H * hd);
+        rope_f32(b->qkv + r0 * width + H * hd, width, n, KVH, hd, s->positions + r0, s->cos, s->sin,
+                 s->max_positions, b->k + r0 * row);
+        kv_write_rows((char*)s->cache, (const char*)(b->k + r0 * row), row * 4,
+                      (const char*)(b->qkv + r0 * width + (H + KVH) * hd), width * 4, s->slots + r0, n, row * 4,
+                      s->block_size, block_stride * 4, l * 2 * s->block_size * row * 4);
+    }
+    barrier_wait(bar);
+    if (n)  // shapes checked before the step
+        paged_attention_f32_f32(b->q + r0 * H * hd, b->attn + r0 * H * hd, b->scores + r0 * H * t_pad, s->scale,
+                                s->cache, s->block_tables + r0 * s->max_blocks, s->context_lens + r0, n,
+                                s->max_blocks, H, KVH, hd, s->block_size, block_stride, l * 2 * s->block_size * row,
+                                (l * 2 + 1) * s->block_size * row, t_pad);
+    barrier_wait(bar);
+    linear_part(&w->o, b->attn, s->batch, b->o, id, parts);
+    barrier_wait(bar);
+    if (n)
+        add_rms_norm_f32(b->o + r0 * D, D, b->residual + r0 * D, w->post_norm, n, D, s->eps, b->normed + r0 * D,
+                         b->residual + r0 * D);
+    barrier_wait(bar);
+    linear_part(&w->gate_up, b->normed, s->batch, b->gate_up, id, parts);
+    barrier_wait(bar);
+    if (n) silu_mul_f32(b->gate_up + r0 * 2 * I, 2 * I, n, I, b->act + r0 * I);
+    barrier_wait(bar);
+    linear_part(&w->down, b->act, s->batch, b->down, id, parts);
+    barrier_wait(bar);
+}
+
+static void* run_member(void* arg) {
+    Member* m = arg;
+    Team* t = m->team;
+    while (!atomic_load_explicit(&t->started, memory_order_acquire)) sched_yield();
+    const DecodeStep* s = t->s;
+    const int parts = t->barrier.size;
+    if (m->id >= parts) return NULL;
+    for (int64_t l = 0; l < s->num_layers; l++) layer_step(s, &t->layers[l], l, &t->b, m->id, parts, &t->barrier);
+    int64_t r0, r1;
+    share(s->batch, m->id, parts, 1, &r0, &r1);
+    if (r1 > r0)
+        add_rms_norm_f32(t->b.down + r0 * s->hidden, s->hidden, t->b.residual + r0 * s->hidden, s->final_norm,
+                         r1 - r0, s->hidden, s->eps, t->out + r0 * s->hidden, t->b.residual + r0 * s->hidden);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+#define ATTENTION_MAX_HEAD_DIM 256  // paged_attention.c's buffers
+#define ATTENTION_MAX_HEADS 64
+
+// embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
+// (this one and threads - 1 started for the step; fewer where they cannot be started). Returns 0;
+// 1 where the scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the
+// attention does not take (nothing written then).
+int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float* embeddings, float* out,
+                    int64_t threads) {
+    for (int64_t r = 0; r < s->batch; r++)
+        if (s->positions[r] < 0 || s->positions[r] >= s->max_positions) return 2;
+    if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
+    Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
+    float* base = scratch_alloc(s, &t.b);
     if (base == NULL) return 1;
-    memcpy(b.residual, embeddings, (size_t)(s->batch * s->hidden) * sizeof(float));
-    int err = 0;
-    for (int64_t l = 0; l < s->num_layers && !err; l++) err = layer_step(s, &layers[l], l, &b);
-    if (!err)
-        add_rms_norm_f32(b.down, s->hidden, b.residual, s->final_norm, s->batch, s->hidden, s->eps, out, b.residual);
+    memcpy(t.b.residual, embeddings, (size_t)(s->batch * s->hidden) * sizeof(float));
+    const int wanted = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads;
+    Member members[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int size = 1;
+    atomic_init(&t.started, 0);
+    atomic_init(&t.barrier.arrived, 0);
+    atomic_init(&t.barrier.generation, 0);
+    for (int i = 1; i < wanted; i++) {
+        members[i] = (Member){&t, i};
+        if (pthread_create(&ids[i], NULL, run_member, &members[i]) != 0) break;
+        size++;
+    }
+    t.barrier.size = size;
+    atomic_store_explicit(&t.started, 1, memory_order_release);
+    members[0] = (Member){&t, 0};
+    run_member(&members[0]);
+    for (int i = 1; i < size; i++) pthread_join(ids[i], NULL);
     free(base);
-    return err;
+    return 0;
 }
