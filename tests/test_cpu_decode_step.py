@@ -128,3 +128,16 @@ def test_models_it_does_not_cover_have_no_plan(smollm2):
     dense = Engine.from_checkpoint(smollm2, EngineConfig(cache=CacheConfig(num_blocks=8), dtype="float32",
                                                          weight_format="dense"))
     assert dense.runner.model.one_call_decode_step() is None
+
+
+def test_a_slot_past_the_cache_is_an_index_error_before_anything_is_written(int4_engine):
+    from pdserve.runtime.attention import AttentionMetadata
+
+    plan = int4_engine.runner.model.one_call_decode_step()
+    cache = int4_engine.runner.kv_cache
+    before = cache.clone()
+    past = cache.shape[0] * cache.shape[3]
+    meta = AttentionMetadata(torch.tensor([past]), 1, torch.tensor([[0]]), torch.tensor([1]), (), torch.tensor([True]))
+    with pytest.raises(IndexError, match="past the cache"):
+        plan.run(torch.zeros(1, 576), torch.tensor([0]), meta, cache)
+    assert torch.equal(cache, before)

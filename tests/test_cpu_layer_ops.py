@@ -114,3 +114,13 @@ def test_inputs_that_need_gradients_take_torchs_differentiable_path():
     assert x.grad is not None and weight.grad is not None and gate_up.grad is not None
     with torch.no_grad():
         assert cpu_layer_ops.add_rms_norm(x, None, weight, 1e-5) is not None  # no graph wanted: C
+
+
+def test_write_kv_skips_padding_slots_and_refuses_slots_past_the_cache():
+    cache = torch.zeros(2, 1, 2, 16, 1, 64)
+    rows = _randn(2, 1, 64)
+    assert cpu_layer_ops.write_kv(cache, 0, rows, rows, torch.tensor([-1, 5]))
+    assert torch.equal(cache[0, 0, 0, 5], rows[1]) and int((cache != 0).sum()) == 2 * 64  # only slot 5
+    with pytest.raises(IndexError, match="past the cache"):
+        cpu_layer_ops.write_kv(cache, 0, rows, rows, torch.tensor([3, 32]))
+    assert int((cache != 0).sum()) == 2 * 64  # nothing written

@@ -64,8 +64,8 @@ _LAYER_OPS_ARGS = {
     "rope_f32": [_P, _I, _I, _I, _I, _P, _P, _P, _I, _P],
     # gate_up, stride, n, inter, out
     "silu_mul_f32": [_P, _I, _I, _I, _P],
-    # cache, k, k_stride, v, v_stride, slots, n, row_bytes, block_size, block_stride, k_offset
-    "kv_write_rows": [_P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I],
+    # cache, k, k_stride, v, v_stride, slots, n, row_bytes, block_size, block_stride, k_offset, num_slots
+    "kv_write_rows": [_P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I],
 }
 
 
@@ -156,7 +156,7 @@ def library() -> ctypes.CDLL | None:
     for inputs in KV_WRITE_INPUTS:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     for name, argtypes in _LAYER_OPS_ARGS.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name == "rope_f32" else None
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name in ("rope_f32", "kv_write_rows") else None
     lib.decode_step_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     lib.decode_step_f32.restype = ctypes.c_int
     lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int

@@ -36,7 +36,7 @@ class _DecodeStep(ctypes.Structure):
     _fields_ = [("batch", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("intermediate", _I), ("num_layers", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
-                ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
+                ("cache_blocks", _I), ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
                 ("context_lens", _P), ("final_norm", _P)]
 
 
@@ -114,7 +114,7 @@ class DecodeStepPlan:
         step = _DecodeStep(hidden.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                            model.layers[0].down.in_features, len(model.layers), c.rms_norm_eps, model.scale,
                            ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.shape[0], pos.data_ptr(), slots.data_ptr(),
-                           kv_cache.data_ptr(), kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
+                           kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
                            tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr())
         err = cpu_attention.library().decode_step_f32(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), torch.get_num_threads())
@@ -122,6 +122,8 @@ class DecodeStepPlan:
             raise MemoryError(f"no scratch for a decode step of {hidden.shape[0]} sequences")
         if err == 2:
             raise IndexError(f"a position past the RoPE tables ({ctx.cos.shape[0]} positions)")
+        if err == 4:
+            raise IndexError(f"a KV slot past the cache ({kv_cache.shape[0]} blocks of {kv_cache.shape[3]})")
         if err:
             raise RuntimeError(f"the C decode step refused its shapes (error {err})")
         return out

@@ -67,7 +67,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
     """k, v: [N, KVH, D] (each row's heads contiguous) into their slots of a float cache of their own dtype
-    ([num_blocks, layers, 2, block_size, KVH, D], contiguous). False where it does not apply."""
+    ([num_blocks, layers, 2, block_size, KVH, D], contiguous); a negative slot is padding, skipped. False
+    where it does not apply; IndexError, nothing written, for a slot past the cache."""
     if (kv_cache.device.type != "cpu" or not kv_cache.is_contiguous() or k.dtype != kv_cache.dtype
             or v.dtype != kv_cache.dtype or kv_cache.dtype not in (torch.float32, torch.bfloat16)
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
@@ -78,7 +79,9 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
         return False
     es = kv_cache.element_size()
     row = kvh * d * es
-    cpu_attention.library().kv_write_rows(kv_cache.data_ptr(), k.data_ptr(), k.stride(0) * es, v.data_ptr(),
-                                          v.stride(0) * es, slot_mapping.data_ptr(), k.shape[0], row, block_size,
-                                          layers * 2 * block_size * row, layer * 2 * block_size * row)
+    if cpu_attention.library().kv_write_rows(kv_cache.data_ptr(), k.data_ptr(), k.stride(0) * es, v.data_ptr(),
+                                             v.stride(0) * es, slot_mapping.data_ptr(), k.shape[0], row, block_size,
+                                             layers * 2 * block_size * row, layer * 2 * block_size * row,
+                                             kv_cache.shape[0] * block_size):
+        raise IndexError(f"a KV slot past the cache ({kv_cache.shape[0]} blocks of {block_size} tokens)")
     return True

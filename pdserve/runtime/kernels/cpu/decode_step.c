@@ -26,8 +26,9 @@ void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, c
 int rope_f32(const float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
              const float* cos, const float* sin, int64_t max_positions, float* out);
 void silu_mul_f32(const float* gate_up, int64_t stride, int64_t n, int64_t inter, float* out);
-void kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
-                   int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset);
+int kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
+                  int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset,
+                  int64_t num_slots);
 int paged_attention_f32_f32(const float* q, float* out, float* scores, float scale, const float* cache,
                             const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
                             int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
@@ -59,7 +60,7 @@ typedef struct {
     const int64_t* positions;  // [B]
     const int64_t* slots;      // [B]: block * block_size + offset of each token's KV
     float* cache;
-    int64_t cache_layers, block_size;
+    int64_t cache_blocks, cache_layers, block_size;
     const int64_t* block_tables;  // [B, max_blocks]
     int64_t max_blocks;
     const int64_t* context_lens;  // [B], this token included
@@ -166,7 +167,8 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
                  s->max_positions, b->k + r0 * row);
         kv_write_rows((char*)s->cache, (const char*)(b->k + r0 * row), row * 4,
                       (const char*)(b->qkv + r0 * width + (H + KVH) * hd), width * 4, s->slots + r0, n, row * 4,
-                      s->block_size, block_stride * 4, l * 2 * s->block_size * row * 4);
+                      s->block_size, block_stride * 4, l * 2 * s->block_size * row * 4,
+                      s->cache_blocks * s->block_size);  // slots checked before the step
     }
     barrier_wait(bar);
     if (n)  // shapes checked before the step
@@ -212,11 +214,13 @@ static void* run_member(void* arg) {
 // embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
 // (this one and threads - 1 started for the step; fewer where they cannot be started). Returns 0;
 // 1 where the scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the
-// attention does not take (nothing written then).
+// attention does not take, 4 for a KV slot past the cache (nothing written then).
 int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float* embeddings, float* out,
                     int64_t threads) {
     for (int64_t r = 0; r < s->batch; r++)
         if (s->positions[r] < 0 || s->positions[r] >= s->max_positions) return 2;
+    for (int64_t r = 0; r < s->batch; r++)
+        if (s->slots[r] >= s->cache_blocks * s->block_size) return 4;
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
     float* base = scratch_alloc(s, &t.b);

@@ -183,12 +183,19 @@ void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_le
 
 // Rows k[i], v[i] ([row_bytes] each, row strides in bytes) into token slot slots[i] of a float cache
 // [num_blocks, layers, 2, block_size, row]: the slot's K row at block * block_stride + k_offset +
-// offset * row_bytes, its V row block_size rows further (all in bytes).
-void kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
-                   int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset) {
+// offset * row_bytes, its V row block_size rows further (all in bytes). A negative slot is padding,
+// skipped (as the CUDA write skips it). Returns -1, writing nothing, where a slot is past the cache's
+// num_slots = num_blocks * block_size.
+int kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
+                  int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset,
+                  int64_t num_slots) {
+    for (int64_t i = 0; i < n; i++)
+        if (slots[i] >= num_slots) return -1;
     for (int64_t i = 0; i < n; i++) {
+        if (slots[i] < 0) continue;
         char* dst = cache + (slots[i] / block_size) * block_stride + k_offset + (slots[i] % block_size) * row_bytes;
         memcpy(dst, k + i * k_stride, (size_t)row_bytes);
         memcpy(dst + block_size * row_bytes, v + i * v_stride, (size_t)row_bytes);
     }
+    return 0;
 }
