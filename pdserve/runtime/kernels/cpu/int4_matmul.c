@@ -30,6 +30,13 @@
 #include <immintrin.h>
 #define INT4_AVX2 1
 #endif
+// AVX-512 with VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later): two groups a 512-bit vector, and
+// one vpdpbusd for the AVX2 path's maddubs + madd. The group's integer dot is the same (no int16
+// saturation is possible in either: |q x| <= 2 * 128 * 127 a pair); only the order of the fp32 sums
+// over groups differs, so results agree with the AVX2 build to fp32 rounding, not bit for bit.
+#if defined(INT4_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INT4_AVX512 1
+#endif
 
 #define GROUP 32
 #define QMAX 127.0f
@@ -87,6 +94,83 @@ static inline __m256i unpack_group(const uint8_t* codes) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
 }
 
+#ifdef INT4_AVX512
+// Two groups' 32 code bytes -> 64 unsigned bytes [g even | g odd | g+1 even | g+1 odd], xq's order.
+static inline __m512i unpack_group_pair(const uint8_t* codes) {
+    const __m256i b = _mm256_loadu_si256((const __m256i*)codes);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [lo g | lo g+1 | hi g | hi g+1]
+    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// Two groups' fp32 values s[0], s[1] -> 16 lanes [s[0] x 8 | s[1] x 8], the lanes of their dot products.
+static inline __m512 pair_scale(const float* s) {
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)s))));
+}
+
+// u8 x s8 products summed by fours into int32 lanes. 8-bit codes are signed: |w| times x with w's sign.
+static inline __m512i dot_pair(__m512i w, __m512i xv, int bits) {
+    if (bits == 4) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    const __m512i s = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), s);
+}
+
+static inline __m256i dot_one(__m256i w, __m256i xv, int bits) {
+    if (bits == 4) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+}
+
+// The AVX2 tile's sums (below) over pairs of groups in 512-bit lanes; an odd last group in the low half.
+static inline __attribute__((always_inline)) void tile(const uint8_t* codes, const float* scale, const float* mins,
+                                                       int64_t n, int nr, int64_t k, const int8_t* xq,
+                                                       const float* xd, const float* xsum, int64_t r, int mt,
+                                                       float* y, int64_t y_stride, int bits) {
+    const int64_t groups = k / GROUP;
+    const int64_t row_bytes = bits == 4 ? k / 2 : k, group_bytes = bits == 4 ? GROUP / 2 : GROUP;
+    __m512 acc[2][4];
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < mt; j++) acc[i][j] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+        __m512i w[2];
+        __m512 ws[2];
+        for (int i = 0; i < nr; i++) {
+            __builtin_prefetch(codes + (n + i + 8) * row_bytes + g * group_bytes);  // as the AVX2 tile's
+            const uint8_t* c = codes + (n + i) * row_bytes + g * group_bytes;
+            w[i] = bits == 4 ? unpack_group_pair(c) : _mm512_loadu_si512((const void*)c);
+            ws[i] = pair_scale(scale + (n + i) * groups + g);
+        }
+        for (int j = 0; j < mt; j++) {
+            const __m512i xv = _mm512_loadu_si512((const void*)(xq + (r + j) * k + g * GROUP));
+            const __m512 xs = pair_scale(xd + (r + j) * groups + g);
+            for (int i = 0; i < nr; i++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair(w[i], xv, bits)), _mm512_mul_ps(ws[i], xs),
+                                            acc[i][j]);
+        }
+    }
+    if (g < groups) {
+        for (int i = 0; i < nr; i++) {
+            const uint8_t* c = codes + (n + i) * row_bytes + g * group_bytes;
+            const __m256i w = bits == 4 ? unpack_group(c) : _mm256_loadu_si256((const __m256i*)c);
+            const __m256 ws = _mm256_set1_ps(scale[(n + i) * groups + g]);
+            for (int j = 0; j < mt; j++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (r + j) * k + g * GROUP));
+                const __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(dot_one(w, xv, bits)),
+                                                  _mm256_mul_ps(ws, _mm256_set1_ps(xd[(r + j) * groups + g])));
+                acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_zextps256_ps512(prod));
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int j = 0; j < mt; j++)
+            y[(r + j) * y_stride + n + i] =
+                _mm512_reduce_add_ps(acc[i][j]) +
+                (bits == 4 ? dot_f32(mins + (n + i) * groups, xsum + (r + j) * groups, groups) : 0.0f);
+}
+#else
 // y for NR output rows [n, n + NR) and MT input rows [r, r + MT): NR x MT vector accumulators.
 // Inlined with constant NR, MT and BITS (the switch below), so they stay in registers. BITS 8: codes
 // are int8 [N, K], mins and xsum unused, and xq is in input order.
@@ -128,6 +212,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
             y[(r + j) * y_stride + n + i] =
                 hsum256(acc[i][j]) + (bits == 4 ? dot_f32(mins + (n + i) * groups, xsum + (r + j) * groups, groups) : 0.0f);
 }
+
+#endif  // INT4_AVX512
 
 #define TILE(NR, MT) \
     (bits == 4 ? tile(codes, scale, mins, n, NR, k, xq, xd, xsum, r, MT, y, y_stride, 4) \
