@@ -206,10 +206,17 @@ def test_every_digit_is_its_own_token(smollm2) -> None:
 
 # --- bfloat16 -----------------------------------------------------------------------------------
 
+# The most fp32's top logit may lead bf16's pick by where the two disagree: a near-tie that bf16's
+# 8-bit mantissa cannot order (the logits' spread here is about 20).
+FLIP_MARGIN = 0.5
+
 def test_bfloat16_top1_agrees_with_float32_on_500_positions(smollm2, smollm2_bf16, reference) -> None:
     """bf16 weights, activations and KV, teacher-forced on the five chats with fp32's greedy answers:
-    the same argmax as fp32 where the answers' 520 tokens are predicted. (Over the prompts too,
-    measured 98.8%: 6 of 507 flips, all near-ties within 0.09 logits, mostly in the system prompt.)"""
+    the same argmax as fp32 where the answers' 520 tokens are predicted, but at near-ties of fp32's
+    logits. bf16 rounding differs by CPU (oneDNN's AVX512-BF16 kernels sum in another order than
+    AVX2's emulation): on a Xeon with AVX512-BF16, 98.8-99.0% (5-6 flips, fp32 leading by 0.003-0.16),
+    every flip there within FLIP_MARGIN of fp32's top logit. (Over the prompts too, measured 98.8%:
+    6 of 507 flips, all near-ties within 0.09 logits, mostly in the system prompt.)"""
     from pdserve.commands.quant_eval import sequence_logits
     from pdserve.runtime.model import LlamaModel
 
@@ -218,8 +225,11 @@ def test_bfloat16_top1_agrees_with_float32_on_500_positions(smollm2, smollm2_bf1
         answer += range(len(tokens) + len(prompt) - 1, len(tokens) + len(prompt) + len(out) - 1)
         tokens += prompt + out
     assert len(answer) >= 500
-    fp32 = sequence_logits(LlamaModel(smollm2.config, smollm2.weights), tokens).argmax(-1)[answer]
+    fp32_logits = sequence_logits(LlamaModel(smollm2.config, smollm2.weights), tokens)[answer]  # [P, V]
+    fp32 = fp32_logits.argmax(-1)
     half = smollm2_bf16  # loaded once per session
     bf16 = sequence_logits(LlamaModel(half.config, half.weights), tokens, kv_dtype="bfloat16").argmax(-1)[answer]
-    agree = (fp32 == bf16).float().mean().item()
-    assert agree >= 0.99, agree
+    flips = (fp32 != bf16).nonzero().flatten()
+    margins = fp32_logits[flips, fp32[flips]] - fp32_logits[flips, bf16[flips]]  # fp32's lead over bf16's pick
+    agree = 1 - len(flips) / len(answer)
+    assert agree >= 0.98 and (margins <= FLIP_MARGIN).all(), (agree, margins.tolist())
