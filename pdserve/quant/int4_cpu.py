@@ -47,9 +47,11 @@ ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 DENSE_FROM_ROWS = 128
 DENSE_FROM_ROWS_TWO_PLANES = 48
 
-# Prompt rows' dense matmul in fp32 runs in chunks of this many rows, whatever the step holds
-# (Int4Linear._dense_row_invariant): about 3 % more time than one GEMM for a 200-token prompt.
+# Prompt rows' dense matmul in fp32 (Int4Linear._dense_row_invariant): oneDNN's, at least this many
+# rows (fewer take another kernel); without oneDNN, MKL's in chunks of exactly PROMPT_GEMM_ROWS rows.
+PROMPT_GEMM_MIN_ROWS = 16
 PROMPT_GEMM_ROWS = 32
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 # In fp32 the C kernel's int8 inputs round differently from the dense matmul, so which of the two a
 # token takes must not depend on what else its step holds (other sequences, chunking, speculation,
@@ -244,16 +246,23 @@ class Int4Linear:
     def _dense_row_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> [M, out] dense, each row's bits independent of M and of the thread count.
 
-        A BLAS GEMM picks its kernel and its split of the sums by the row count (MKL on AVX-512: one
-        kernel below 16 rows, another above, and from about 58 rows with two threads a third for
-        K = 1536), and the kernel's int8 inputs of the next layer turn such an ulp into a whole
-        quantization step near a rounding boundary. So prompt rows run in chunks of exactly
-        PROMPT_GEMM_ROWS (the last one zero-padded): the same call shape whatever the step holds."""
+        A BLAS GEMM picks its kernel and its split of the sums by the row count (MKL's sgemm on
+        AVX-512: one kernel below 16 rows, another above, and from about 58 rows on two threads a
+        third for K = 1536), and the kernel's int8 inputs of the next layer turn such an ulp into a
+        whole quantization step near a rounding boundary: a greedy token then depends on what else
+        its step held. oneDNN's fp32 matmul keeps one reduction order per row from 3 rows on, at one
+        thread or two (measured for SmolLM2's four shapes, every M up to 600), at MKL's speed; rows
+        are padded to PROMPT_GEMM_MIN_ROWS. Without oneDNN: MKL in chunks of exactly
+        PROMPT_GEMM_ROWS rows (the same call whatever the step holds, about 1.7x the time)."""
         m, k = x.shape
+        weight = self.dequantized() if self.dense is None else self.dense
+        if _ONEDNN_LINEAR:
+            if m < PROMPT_GEMM_MIN_ROWS:
+                x = torch.cat([x, x.new_zeros((PROMPT_GEMM_MIN_ROWS - m, k))])
+            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")[:m]
         chunks = -(-m // PROMPT_GEMM_ROWS)
         padded = x.new_zeros((chunks * PROMPT_GEMM_ROWS, k))
         padded[:m] = x
-        weight = self.dequantized() if self.dense is None else self.dense
         y = torch.empty((chunks * PROMPT_GEMM_ROWS, self.out_features), dtype=torch.float32)
         for c in range(chunks):
             rows = slice(c * PROMPT_GEMM_ROWS, (c + 1) * PROMPT_GEMM_ROWS)
