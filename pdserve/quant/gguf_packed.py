@@ -199,8 +199,8 @@ def weights_for(checkpoint, config) -> tuple[dict[str, object], str]:
     auto, on the CPU with bf16/fp16 compute: a GGUF whose projections are all Q4_0/Q4_1 -> "int4" (as
     before); all in PACKED_TYPES or DENSE_AT_LOAD_TYPES, at least one packed -> "packed"; else dense.
     auto with fp32 compute: dense (the fp32 int4 kernel, cpu_int4_matmul, is taken by asking for int4:
-    its inputs' int8 rounding differs from the dense path prefill chunks take, so a token's logits
-    would depend on its step's row count). int4: every projection 4-bit (the file's 4-bit codes, round-to-nearest for the rest). packed: the
+    its int8 inputs cost SmolLM2 answers, "Paris" among them, as they do llama.cpp's Q4_1 x Q8_1;
+    docs/quantization.md). int4: every projection 4-bit (the file's 4-bit codes, round-to-nearest for the rest). packed: the
     file's codes where it has them, the loaded dense weight elsewhere. A GPTQ checkpoint's codes
     are converted alike (pdserve.quant.gptq_cpu.gptq_weights; auto takes them too)."""
     fmt, model = config.weight_format, checkpoint.config
