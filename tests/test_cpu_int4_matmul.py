@@ -21,8 +21,8 @@ from pdserve.runtime.kernels import cpu_int4_matmul as kernel
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the CPU kernels")
 
-# (rows, outputs, inputs): row tails of the 4-row tiles, an odd output count (the 2-row tail), one group
-SHAPES = [(1, 577, 576), (3, 64, 96), (5, 130, 64), (9, 7, 32), (32, 96, 576)]
+# (rows, outputs, inputs): row tails of the 4- and 8-row tiles (AVX2, AVX-512), an odd output count (the 2-row tail), one group
+SHAPES = [(1, 577, 576), (3, 64, 96), (5, 130, 64), (9, 7, 32), (14, 34, 64), (15, 66, 96), (32, 96, 576)]
 
 
 def _random_int4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

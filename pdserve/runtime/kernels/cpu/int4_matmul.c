@@ -37,6 +37,12 @@
 #if defined(INT4_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define INT4_AVX512 1
 #endif
+// Input rows a tile takes: AVX-512's 32 vector registers hold 2 x 8 accumulators beside the codes.
+#ifdef INT4_AVX512
+#define INPUT_TILE 8
+#else
+#define INPUT_TILE 4
+#endif
 
 #define GROUP 32
 #define QMAX 127.0f
@@ -130,7 +136,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
                                                        float* y, int64_t y_stride, int bits) {
     const int64_t groups = k / GROUP;
     const int64_t row_bytes = bits == 4 ? k / 2 : k, group_bytes = bits == 4 ? GROUP / 2 : GROUP;
-    __m512 acc[2][4];
+    __m512 acc[2][INPUT_TILE];
     for (int i = 0; i < nr; i++)
         for (int j = 0; j < mt; j++) acc[i][j] = _mm512_setzero_ps();
     int64_t g = 0;
@@ -222,14 +228,24 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
 static void tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr, int64_t k,
                           const int8_t* xq, const float* xd, const float* xsum, int64_t r, int mt, float* y,
                           int64_t y_stride, int bits) {
-    switch (nr * 8 + mt) {
-        case 2 * 8 + 4: TILE(2, 4); break;
-        case 2 * 8 + 3: TILE(2, 3); break;
-        case 2 * 8 + 2: TILE(2, 2); break;
-        case 2 * 8 + 1: TILE(2, 1); break;
-        case 1 * 8 + 4: TILE(1, 4); break;
-        case 1 * 8 + 3: TILE(1, 3); break;
-        case 1 * 8 + 2: TILE(1, 2); break;
+    switch (nr * 16 + mt) {
+#if INPUT_TILE == 8
+        case 2 * 16 + 8: TILE(2, 8); break;
+        case 2 * 16 + 7: TILE(2, 7); break;
+        case 2 * 16 + 6: TILE(2, 6); break;
+        case 2 * 16 + 5: TILE(2, 5); break;
+        case 1 * 16 + 8: TILE(1, 8); break;
+        case 1 * 16 + 7: TILE(1, 7); break;
+        case 1 * 16 + 6: TILE(1, 6); break;
+        case 1 * 16 + 5: TILE(1, 5); break;
+#endif
+        case 2 * 16 + 4: TILE(2, 4); break;
+        case 2 * 16 + 3: TILE(2, 3); break;
+        case 2 * 16 + 2: TILE(2, 2); break;
+        case 2 * 16 + 1: TILE(2, 1); break;
+        case 1 * 16 + 4: TILE(1, 4); break;
+        case 1 * 16 + 3: TILE(1, 3); break;
+        case 1 * 16 + 2: TILE(1, 2); break;
         default: TILE(1, 1); break;
     }
 }
@@ -269,8 +285,8 @@ static void matmul_rows(const uint8_t* codes, const float* scale, const float* m
                         int64_t y_stride, int bits) {
     for (int64_t n = n0; n < n1; n += 2) {
         const int nr = n + 2 <= n1 ? 2 : 1;
-        for (int64_t r = 0; r < m; r += 4) {
-            const int mt = r + 4 <= m ? 4 : (int)(m - r);
+        for (int64_t r = 0; r < m; r += INPUT_TILE) {
+            const int mt = r + INPUT_TILE <= m ? INPUT_TILE : (int)(m - r);
             tile_dispatch(codes, scale, mins, n, nr, k, xq, xd, xsum, r, mt, y, y_stride, bits);
         }
     }
