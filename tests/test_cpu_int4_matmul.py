@@ -223,8 +223,7 @@ def test_fp32_int4_token_keeps_its_logits_whatever_its_step_holds(smollm2):
     assert torch.equal(first_row_logits(True), first_row_logits(False))
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl-chunks"])
-def test_fp32_int4_prompt_rows_are_the_same_bits_whatever_the_row_and_thread_count(monkeypatch, onednn):
+def test_fp32_int4_prompt_rows_are_the_same_bits_whatever_the_row_and_thread_count(monkeypatch):
     """A prompt row's dense matmul gives the same bits alone, in a longer prompt, or beside other
     prompts, on one thread or two: BLAS picks its GEMM kernel and split by the row count (MKL on
     AVX-512 differs below 16 rows, and from about 58 rows on two threads at K = 1536), and the
@@ -232,9 +231,7 @@ def test_fp32_int4_prompt_rows_are_the_same_bits_whatever_the_row_and_thread_cou
     from pdserve.quant import int4_cpu
     from pdserve.quant.int4_cpu import RowKinds, token_kinds
 
-    if onednn and not int4_cpu._ONEDNN_LINEAR:
-        pytest.skip("torch built without oneDNN: the MKL chunks run (the other case)")
-    monkeypatch.setattr(int4_cpu, "_ONEDNN_LINEAR", onednn)
+    paths = [False, True] if int4_cpu._ONEDNN_LINEAR else [False]  # MKL chunks; oneDNN where torch has it
     gen = torch.Generator().manual_seed(8)
     linear = Int4Linear(quantize_rtn(torch.randn(576, 1536, generator=gen)).for_dtype(torch.float32))
     x = torch.randn(130, 1536, generator=gen)
@@ -248,9 +245,11 @@ def test_fp32_int4_prompt_rows_are_the_same_bits_whatever_the_row_and_thread_cou
         finally:
             torch.set_num_threads(threads)
 
-    alone = prompt_rows(x[:5], 1)
-    for m in (5, 16, 17, 64, 130):
-        for n_threads in (1, 2):
-            assert torch.equal(prompt_rows(x[:m], n_threads)[:5], alone), (m, n_threads)
     want = x[:5].double() @ linear.dequantized().double().t()
-    assert (alone.double() - want).abs().max() <= 1e-4 * want.abs().max()
+    for onednn in paths:
+        monkeypatch.setattr(int4_cpu, "_ONEDNN_LINEAR", onednn)
+        alone = prompt_rows(x[:5], 1)
+        for m in (5, 16, 17, 64, 130):
+            for n_threads in (1, 2):
+                assert torch.equal(prompt_rows(x[:m], n_threads)[:5], alone), (onednn, m, n_threads)
+        assert (alone.double() - want).abs().max() <= 1e-4 * want.abs().max()

@@ -223,7 +223,7 @@ class Int4Linear:
         if self.mins is not None:
             return self._fp32(x)
         if x.shape[0] >= self.dense_from_rows:
-            return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)
+            return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
@@ -255,7 +255,7 @@ class Int4Linear:
         are padded to PROMPT_GEMM_MIN_ROWS. Without oneDNN: MKL in chunks of exactly
         PROMPT_GEMM_ROWS rows (the same call whatever the step holds, about 1.7x the time)."""
         m, k = x.shape
-        weight = self.dequantized() if self.dense is None else self.dense
+        weight = self._dense_weight()
         if _ONEDNN_LINEAR:
             if m < PROMPT_GEMM_MIN_ROWS:
                 x = torch.cat([x, x.new_zeros((PROMPT_GEMM_MIN_ROWS - m, k))])
@@ -273,7 +273,11 @@ class Int4Linear:
         return cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins, self.bias)  # [M, out]
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized() if self.dense is None else self.dense, self.bias)
+        return F.linear(x, self._dense_weight(), self.bias)
+
+    def _dense_weight(self) -> torch.Tensor:
+        """[out, in]: the kept dense copy, else the codes dequantized for this call."""
+        return self.dequantized() if self.dense is None else self.dense
 
     def codes_f32(self) -> torch.Tensor:
         """The codes as float32 [N, K]: 4-bit ones, or (two planes) u = 16 h + l in [0, 255]."""

@@ -228,24 +228,16 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
 static void tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr, int64_t k,
                           const int8_t* xq, const float* xd, const float* xsum, int64_t r, int mt, float* y,
                           int64_t y_stride, int bits) {
+    // Both output-row counts for one input-row count.
+#define TILE_CASES(MT) \
+    case 2 * 16 + MT: TILE(2, MT); break; \
+    case 1 * 16 + MT: TILE(1, MT); break;
     switch (nr * 16 + mt) {
 #if INPUT_TILE == 8
-        case 2 * 16 + 8: TILE(2, 8); break;
-        case 2 * 16 + 7: TILE(2, 7); break;
-        case 2 * 16 + 6: TILE(2, 6); break;
-        case 2 * 16 + 5: TILE(2, 5); break;
-        case 1 * 16 + 8: TILE(1, 8); break;
-        case 1 * 16 + 7: TILE(1, 7); break;
-        case 1 * 16 + 6: TILE(1, 6); break;
-        case 1 * 16 + 5: TILE(1, 5); break;
+        TILE_CASES(8) TILE_CASES(7) TILE_CASES(6) TILE_CASES(5)
 #endif
-        case 2 * 16 + 4: TILE(2, 4); break;
-        case 2 * 16 + 3: TILE(2, 3); break;
-        case 2 * 16 + 2: TILE(2, 2); break;
+        TILE_CASES(4) TILE_CASES(3) TILE_CASES(2)
         case 2 * 16 + 1: TILE(2, 1); break;
-        case 1 * 16 + 4: TILE(1, 4); break;
-        case 1 * 16 + 3: TILE(1, 3); break;
-        case 1 * 16 + 2: TILE(1, 2); break;
         default: TILE(1, 1); break;
     }
 }
