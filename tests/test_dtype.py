@@ -70,7 +70,7 @@ def test_pdserve_up_passes_one_resolved_dtype_to_every_child() -> None:
     assert gw[gw.index("--served-model-name") + 1] == "chat"
 
 
-def test_only_prefill_workers_keep_a_dense_prefill_copy_by_default() -> None:
+def test_the_dense_copy_is_kept_by_prefill_workers_and_in_bf16_by_default() -> None:
     from pdserve.cli import build_parser
     from pdserve.engine_args import engine_config_from_args
 
@@ -78,12 +78,14 @@ def test_only_prefill_workers_keep_a_dense_prefill_copy_by_default() -> None:
         argv = [role, "--model", str(STORIES_GGUF), *flags]
         return engine_config_from_args(build_parser().parse_args(argv))
 
-    assert config("prefill").dense_prefill_copy and not config("decode").dense_prefill_copy
-    assert not config("prefill", "--dense-prefill-copy", "off").dense_prefill_copy
-    assert config("decode", "--dense-prefill-copy", "on").dense_prefill_copy
+    assert config("prefill", "--dtype", "float32").dense_copy
+    assert not config("decode", "--dtype", "float32").dense_copy
+    assert config("decode", "--dtype", "bfloat16").dense_copy  # decode steps of 16+ sequences run dense
+    assert not config("prefill", "--dense-copy", "off").dense_copy
+    assert config("decode", "--dtype", "float32", "--dense-prefill-copy", "on").dense_copy  # the old name
     from pdserve.commands.up import plan
 
-    workers, _ = plan(build_parser().parse_args(["up", "--dense-prefill-copy", "off", "--no-internal-token"]))
+    workers, _ = plan(build_parser().parse_args(["up", "--dense-copy", "off", "--no-internal-token"]))
     for spec in (w for w in workers if w.name != "kvstore"):  # up passes the choice to every worker
         cmd = list(spec.command)
-        assert cmd[cmd.index("--dense-prefill-copy") + 1] == "off"
+        assert cmd[cmd.index("--dense-copy") + 1] == "off"

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
 from conftest import STORIES_GGUF
-from pdserve.quant.int4_cpu import Int4Linear, codes_of_gguf_blocks, quantize_rtn, weights_for
+from pdserve.quant.int4_cpu import (DENSE_COPY_FROM_ROWS, DENSE_COPY_FROM_ROWS_TWO_PLANES, Int4Linear,
+                                    codes_of_gguf_blocks, quantize_rtn, weights_for)
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.sampling_params import SamplingParams
@@ -70,9 +71,11 @@ def test_both_paths_dequantize_to_the_same_weight():
 
 
 @pytest.mark.parametrize("planes", [1, 2])
-def test_a_kept_dense_copy_changes_no_output_bit(planes):
-    """keep_dense_copy (prefill workers) caches what each many-row call dequantizes: every output,
-    kernel rows and dense rows alike, is bit for bit what the linear without it computes."""
+def test_a_kept_dense_copy_changes_no_output_bit_that_both_compute_alike(planes):
+    """keep_dense_copy caches what each many-row call dequantizes: every call that takes the same path
+    with it and without (the kernel below the copy's threshold, dense from the plain one's) gives the
+    same bits. Between the two thresholds (bf16 decode steps of many sequences) the copy runs the
+    dense matmul of the very weights the plain linear's kernel multiplies: equal within bf16 rounding."""
     gen = torch.Generator().manual_seed(planes)
     codes = quantize_rtn(torch.randn(128, 64, generator=gen))
     if planes == 2:  # an 8-bit weight as two planes: high scales 16x the low ones, high zero 0
@@ -82,9 +85,16 @@ def test_a_kept_dense_copy_changes_no_output_bit(planes):
     plain, kept = Int4Linear(codes), Int4Linear(codes)
     kept.keep_dense_copy()
     assert kept.nbytes == plain.nbytes + 128 * 64 * 2  # the copy is the bf16 weight
-    for rows in (1, plain.dense_from_rows - 1, plain.dense_from_rows, 300):
+    assert kept.dense_from_rows == (DENSE_COPY_FROM_ROWS if planes == 1 else DENSE_COPY_FROM_ROWS_TWO_PLANES)
+    for rows in (1, kept.dense_from_rows - 1, plain.dense_from_rows, 300):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         assert torch.equal(kept(x), plain(x)), rows
+    for rows in (kept.dense_from_rows, plain.dense_from_rows - 1):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        assert torch.equal(kept(x), F.linear(x, plain.dequantized()))
+        # Two bf16 roundings of the output (2^-9 of |x| |w| each) and the kernel's own weight rounding.
+        bound = (x.double().abs() @ plain.dequantized().double().abs().t()) * 2 ** -7
+        assert ((kept(x).double() - plain(x).double()).abs() <= bound).all()
 
 
 def test_int4_runs_on_the_cpu_only():
@@ -146,7 +156,7 @@ def test_int4_batched_equals_unbatched(request, dtype):
 
 
 def test_a_dense_prefill_copy_leaves_the_engine_exact(smollm2_bf16):
-    """A prefill worker's default (--dense-prefill-copy auto): a prompt chunk of more than
+    """A prefill worker's default (--dense-copy auto): a prompt chunk of more than
     DENSE_FROM_ROWS tokens runs on the kept copy; logits equal the engine without it, bit for bit."""
     ids = smollm2_bf16.tokenizer.encode("Summarise: " + "the sea is calm and the ships are in the harbour. " * 14)
     assert len(ids) > 160
@@ -155,7 +165,7 @@ def test_a_dense_prefill_copy_leaves_the_engine_exact(smollm2_bf16):
     for copy in (False, True):
         engine = Engine.from_checkpoint(smollm2_bf16, EngineConfig(
             cache=CacheConfig(num_blocks=64, dtype="bfloat16"), dtype="bfloat16", weight_format="int4",
-            dense_prefill_copy=copy))
+            dense_copy=copy))
         engine.keep_logits = True
         engine.add_request("r", ids, greedy)
         engine.step()  # the whole prompt in one chunk

@@ -46,6 +46,13 @@ ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 # --crossover 32,48,64,96,128,160`, quiet machine).
 DENSE_FROM_ROWS = 128
 DENSE_FROM_ROWS_TWO_PLANES = 48
+# With the dense weight kept (keep_dense_copy), nothing to dequantize: a decode step of this many
+# sequences or more runs the dense bf16 matmul (oneDNN), which beats the kernel from about 14 (whole
+# SmolLM2 decode steps at 1 thread, Xeon with AVX512-BF16, kernel against dense: 49.7 / 53.8 ms at 12
+# sequences, 63.3 / 60.1 at 16, 86.3 / 62.7 at 24, 111.0 / 69.2 at 32). Below it a dense step still
+# costs about its weights' reading (51.4 ms at 8 against 40.1). Two planes cost the kernel twice.
+DENSE_COPY_FROM_ROWS = 16
+DENSE_COPY_FROM_ROWS_TWO_PLANES = 8
 
 # Prompt rows' dense matmul in fp32 (Int4Linear._dense_row_invariant): oneDNN's, at least this many
 # rows (fewer take another kernel); without oneDNN, MKL's in chunks of exactly PROMPT_GEMM_ROWS rows.
@@ -311,13 +318,18 @@ class Int4Linear:
         return w.view(n, k).to(self.dtype)
 
     def keep_dense_copy(self) -> None:
-        """Keeps `dequantized()` for the calls of `dense_from_rows` rows or more (prefill chunks),
-        which otherwise dequantize the weight on every call: with SmolLM2's 4-bit codes at 1 thread
-        that is about 40 % of a 200-token prompt's prefill. Costs the weight's dense size in memory
-        (what a prefill worker, whose steps are mostly such chunks, spends by default). The copy is
-        the tensor each call would compute (columns permuted like the calls' inputs), so outputs do
-        not change."""
+        """Keeps `dequantized()` for the calls of `dense_from_rows` rows or more, which otherwise
+        dequantize the weight on every call: with SmolLM2's 4-bit codes at 1 thread that is about
+        40 % of a 200-token prompt's prefill. Costs the weight's dense size in memory. The copy is
+        the tensor each call would compute (columns permuted like the calls' inputs), so a call that
+        went dense before gives the same bits. With bf16 / fp16 activations the dense path also
+        takes calls from DENSE_COPY_FROM_ROWS rows on (decode steps of 16 or more sequences), where
+        the dense matmul beats the kernel once nothing is dequantized: those rows' bits then differ
+        from the kernel's by the order of the fp32 sums (same weights, same products). fp32 goes by
+        token kind instead (`token_kinds`)."""
         self.dense = self.dequantized()
+        if self.mins is None:
+            self.dense_from_rows = DENSE_COPY_FROM_ROWS if self.planes == 1 else DENSE_COPY_FROM_ROWS_TWO_PLANES
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,4 @@
-"""The output head (and tied embedding) kept as 8-bit codes on the CPU, for fp32 compute.
+"""The output head (and tied embedding) kept as 8-bit codes on the CPU.
 
 Why: SmolLM2's tied 49152 x 576 head is 113 MB in fp32, read whole by every decode step: with the
 projections 4-bit it is the largest read of a one-stream step. The GGUF stores it as Q8_0 (one fp16
@@ -7,6 +7,12 @@ exact (`Q8Head.from_dense`), so keeping them changes no weight, and the C kernel
 (runtime.kernels.cpu_int4_matmul.matmul_int8) multiplies them with the hidden states quantized to
 int8 per group of 32, as llama.cpp runs a Q8_0 head. Embedding rows are read from the same codes.
 Taken where the projections run our fp32 int4 kernel and the file's head is Q8_0 (`pack_head`).
+
+With bf16 compute (projections packed, a CPU with AVX512-BF16) the codes come from the file (the
+loaded weight is rounded to bf16) and steps of fewer than BF16_KERNEL_BELOW_ROWS rows multiply them
+by the bf16 hidden states without quantizing those (kernels/cpu/bf16_matmul.c): the same bf16
+weights and products as the dense matmul, at half its bytes. Larger steps, and the embedding, use
+the dense bf16 weight, which is kept (`dense`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import torch.nn.functional as F
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 GROUP = 32
+# bf16: the codes' kernel for steps of fewer rows, the dense bf16 matmul (oneDNN) from this many on
+# (SmolLM2's head alone, one thread, Xeon with AVX512-BF16: 1.98 against 3.50 ms at 1 row, 3.62
+# against 3.97 at 4, 6.06 against 3.92 at 8; whole decode step at 1 sequence 15.0 -> 13.7 ms).
+BF16_KERNEL_BELOW_ROWS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +38,7 @@ class Q8Head:
 
     codes: torch.Tensor  # [V, D] int8 in -127..127
     scale: torch.Tensor  # [V, D / 32] float32
+    dense: torch.Tensor | None = None  # [V, D] bf16: the weight for bf16 compute (None: fp32 compute)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor) -> Q8Head:
@@ -40,13 +51,28 @@ class Q8Head:
         codes = (groups / safe[..., None]).round().clamp(-127, 127).to(torch.int8)
         return cls(codes.view(v, d).contiguous(), scale.contiguous())
 
+    @classmethod
+    def from_file(cls, path: Path, gguf_name: str, dense: torch.Tensor) -> Q8Head:
+        """The file's Q8_0 codes and scales of tensor `gguf_name`, beside `dense`, its loaded bf16 weight."""
+        from pdserve.quant.gguf_packed import read_packed
+
+        blocks = read_packed(path, {gguf_name: "head"})[0]["head"]  # codes stored as q + 128
+        codes = (blocks.codes.to(torch.int16) - 128).to(torch.int8)
+        return cls(codes.contiguous(), blocks.scale.contiguous(), dense)
+
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype the head serves (its embedding rows' dtype)."""
+        return torch.float32 if self.dense is None else self.dense.dtype
+
+    @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scale.numel() * 4
+        dense = 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
+        return self.codes.numel() + self.scale.numel() * 4 + dense
 
     def to(self, device: str | torch.device) -> Q8Head:
         if torch.device(device).type != "cpu":
@@ -59,13 +85,19 @@ class Q8Head:
         return (self.codes.float().view(v, d // GROUP, GROUP) * self.scale[..., None]).view(v, d)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [N] -> rows [N, D] float32, dequantized."""
+        """ids [N] -> rows [N, D]: bf16 from the dense weight where kept, else float32, dequantized."""
+        if self.dense is not None:
+            return F.embedding(ids, self.dense)
         rows = F.embedding(ids, self.codes).float()  # [N, D]
         n, d = rows.shape
         return (rows.view(n, d // GROUP, GROUP) * F.embedding(ids, self.scale)[..., None]).view(n, d)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] -> logits [S, V] float32."""
+        if self.dense is not None:
+            y = cpu_int4_matmul.matmul_int8_bf16(hidden, self.codes, self.scale) \
+                if hidden.shape[0] < BF16_KERNEL_BELOW_ROWS else None
+            return F.linear(hidden, self.dense).float() if y is None else y
         x = hidden.float()
         y = cpu_int4_matmul.matmul_int8(x, self.codes, self.scale)
         return F.linear(x, self.dequantize()) if y is None else y
@@ -80,17 +112,20 @@ def gguf_tensor_type(path: Path, name: str) -> str | None:
 
 def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str) -> dict[str, object]:
     """`weights` with the head (the embedding where tied) as a Q8Head where that keeps every weight
-    as the file has it and the fp32 int4 kernel runs: weight format int4, fp32 compute on the CPU,
-    the file's head Q8_0. Otherwise `weights` unchanged."""
+    as the file has it and a kernel for it runs: the file's head Q8_0, on the CPU, and either fp32
+    compute with weight format int4 (the fp32 int4 kernel's) or bf16 compute with packed projections
+    on a CPU with AVX512-BF16. Otherwise `weights` unchanged."""
     model = checkpoint.config
-    if (weight_format != "int4" or config.dtype != "float32" or not config.device.startswith("cpu")
-            or checkpoint.source.suffix != ".gguf" or not cpu_int4_matmul.available()):
+    fp32 = weight_format == "int4" and config.dtype == "float32" and cpu_int4_matmul.available()
+    bf16 = weight_format in ("int4", "packed") and config.dtype == "bfloat16" and cpu_int4_matmul.bf16_available()
+    if not (fp32 or bf16) or not config.device.startswith("cpu") or checkpoint.source.suffix != ".gguf":
         return weights
     arch = model.arch
     embed, head = arch.global_name("embed"), arch.global_name("lm_head")
     tied = model.tie_word_embeddings or head not in weights
     name = embed if tied else head  # tied: the file's token embedding is the head
-    if model.hidden_size % GROUP or gguf_tensor_type(checkpoint.source, arch.to_gguf(name)) != "Q8_0":
+    gguf_name = arch.to_gguf(name)
+    if model.hidden_size % GROUP or gguf_tensor_type(checkpoint.source, gguf_name) != "Q8_0":
         return weights
-    codes = Q8Head.from_dense(weights[name])
+    codes = Q8Head.from_dense(weights[name]) if fp32 else Q8Head.from_file(checkpoint.source, gguf_name, weights[name])
     return {**weights, name: codes, **({head: codes} if tied else {})}

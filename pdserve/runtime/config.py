@@ -130,9 +130,10 @@ class EngineConfig:
     # The layers' projections (WEIGHT_FORMATS): "dense", or "int4"/"packed" codes for the CPU kernel
     # (the GGUF's own Q4_0/Q4_1 codes where it has them), or "auto". Read by Engine.from_checkpoint.
     weight_format: str = "auto"
-    # Packed projections also keep their dequantized weight for prefill chunks (Int4Linear.keep_dense_copy):
-    # faster prefill at the dense weights' memory. On by default on prefill workers only.
-    dense_prefill_copy: bool = False
+    # Packed projections also keep their dequantized weight (Int4Linear.keep_dense_copy) for prefill
+    # chunks and, in bf16 / fp16, decode steps of DENSE_COPY_FROM_ROWS or more rows: faster at the
+    # dense weights' memory. Resolved by engine_args.dense_copy (--dense-copy).
+    dense_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:

@@ -140,7 +140,7 @@ class Engine:
         self.set_speculative(speculative or SpeculativeConfig())  # sets self.speculative
         self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
         model = LlamaModel(model_config, weights, self.config.device)
-        if self.config.dense_prefill_copy:
+        if self.config.dense_copy:
             model.keep_dense_copies()
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
         if self.config.cuda_graph:  # a no-op off the GPU

@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # One library from all sources (one build, one cache entry, one portable file): the INT8 KV write
 # (kv_write.c, loaded by cpu_kv_write) ships with the decode attention that reads what it writes;
-# the int4 matmul (int4_matmul.c, cpu_int4_matmul), the layer's row operations (layer_ops.c,
-# cpu_layer_ops) and the one-call decode step built on all of them (decode_step.c, cpu_decode_step).
-SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("kv_write.c", "int4_matmul.c", "layer_ops.c", "decode_step.c")))
+# the 4- and 8-bit weight matmuls (int4_matmul.c for fp32 inputs, bf16_matmul.c for an 8-bit head's
+# bf16 inputs: both through cpu_int4_matmul), the layer's row operations (layer_ops.c, cpu_layer_ops) and the one-call decode
+# step built on all of them (decode_step.c, cpu_decode_step).
+SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("kv_write.c", "int4_matmul.c", "bf16_matmul.c", "layer_ops.c",
+                                                             "decode_step.c")))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 _QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -161,6 +163,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_step_f32.restype = ctypes.c_int
     lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int
     lib.int8_linear_f32.argtypes, lib.int8_linear_f32.restype = _INT8_LINEAR_ARGS, ctypes.c_int
+    lib.int8_linear_bf16.argtypes, lib.int8_linear_bf16.restype = _INT8_LINEAR_ARGS, ctypes.c_int
+    lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int
     return lib
 
 

@@ -11,6 +11,8 @@ runs torch's path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdserve.runtime.kernels import cpu_attention
@@ -77,3 +79,34 @@ def error_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     xd = x.view(m, k // GROUP, GROUP).abs().amax(-1) / 127  # [M, G]
     code_sums = codes.float().abs().view(codes.shape[0], k // GROUP, GROUP).sum(-1)  # [N, G]
     return (xd / 2) @ (scale.abs() * code_sums).t()
+
+
+
+@functools.cache
+def bf16_available() -> bool:
+    """Whether the bf16-input head kernel runs here (kernels/cpu/bf16_matmul.c: a CPU with
+    AVX512-BF16, where the library is built for it); else the dense bf16 matmul runs."""
+    lib = cpu_attention.library()
+    return lib is not None and bool(lib.bf16_dot_available())
+
+
+def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] bf16 times w[n, k] = bf16(codes[n, k] * scale[n, k/32]) -> y [M, N] fp32 (logits),
+    summed in fp32: the products of the dense bf16 matmul with w, in one fixed order a row.
+    codes [N, K] int8 in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does
+    not apply (not bf16 [M, K] on the CPU with K a multiple of 32, or no AVX512-BF16 build)."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
+            and bf16_available()):
+        return None
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n = codes.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    linear = cpu_attention.library().int8_linear_bf16
+
+    def rows(n0: int, n1: int) -> None:
+        linear(x.data_ptr(), m, k, x.stride(0), codes.data_ptr(), scale.data_ptr(), n0, n1, y.data_ptr(), n)
+
+    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
+    return y
