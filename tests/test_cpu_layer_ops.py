@@ -96,7 +96,8 @@ def test_write_kv_equals_torch_indexing(dtype):
 
 def test_other_dtypes_and_layouts_hand_back_to_torch():
     x = _randn(2, 64)
-    assert cpu_layer_ops.add_rms_norm(x.bfloat16(), None, _randn(64).bfloat16(), 1e-5) is None
+    assert cpu_layer_ops.add_rms_norm(x.half(), None, _randn(64).half(), 1e-5) is None
+    assert cpu_layer_ops.add_rms_norm(x.bfloat16(), None, _randn(64), 1e-5) is None  # mixed dtypes
     assert cpu_layer_ops.add_rms_norm(x.t().contiguous().t(), None, _randn(2), 1e-5) is None  # column-major rows
     assert cpu_layer_ops.silu_and_mul(_randn(2, 16).half()) is None
     cache = torch.zeros(2, 1, 2, 16, 1, 64)
@@ -124,3 +125,56 @@ def test_write_kv_skips_padding_slots_and_refuses_slots_past_the_cache():
     with pytest.raises(IndexError, match="past the cache"):
         cpu_layer_ops.write_kv(cache, 0, rows, rows, torch.tensor([3, 32]))
     assert int((cache != 0).sum()) == 2 * 64  # nothing written
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of b's bf16 ulp (b's spacing at its magnitude)."""
+    ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(b.float().abs().clamp_min(1e-30))))
+    return (a.float() - b.float()).abs() / ulp
+
+
+@pytest.mark.parametrize("d", [576, 64, 13])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_bf16_add_rms_norm_rounds_where_torch_does(d, with_residual):
+    """bf16 rows: the sum rounded to bf16, the normalized row rounded to bf16, times the weight rounded
+    to bf16 (torch_ops.rms_norm_torch): torch's bits, or one ulp off where fp32's 1 / rms differs in
+    its last place; and within bf16 rounding of the float64 norm."""
+    wide = _randn(7, d + 5, scale=3.0).bfloat16()
+    x = wide[:, :d]
+    residual = _randn(7, d).bfloat16() if with_residual else None
+    weight = (_randn(d) + 1).bfloat16()
+    out, summed = cpu_layer_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert out.dtype == summed.dtype == torch.bfloat16
+    s = x + residual if with_residual else x
+    assert torch.equal(summed, s) if with_residual else summed is x
+    theirs = torch_ops.rms_norm_torch(s, weight, 1e-5)
+    assert _bf16_ulps(out, theirs).max() <= 1 and (out != theirs).float().mean() < 0.01
+    exact = s.double() * torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    # Two roundings of half an ulp, the first scaled by the weight: at most 1.5 of the result's ulps.
+    assert (_bf16_ulps(out, exact) <= 1.51).all()
+
+
+def test_bf16_rope_is_torchs_bit_for_bit():
+    n, h, kvh, d = 6, 9, 3, 64
+    cos, sin = torch_ops.rope_cos_sin(d, 4096, 10000.0)
+    qkv = _randn(n, (h + 2 * kvh) * d, scale=2.0).bfloat16()
+    q, k, _ = qkv.split((h * d, kvh * d, kvh * d), dim=-1)
+    q, k = q.view(n, h, d), k.view(n, kvh, d)
+    positions = torch.tensor([0, 1, 17, 300, 4095, 2048])
+    got_q = cpu_layer_ops.rope(q, positions, cos, sin)
+    got_k = cpu_layer_ops.rope(k, positions, cos, sin)
+    want_q, want_k = torch_ops.apply_rope_torch(q, k, positions, cos, sin)
+    assert got_q.dtype == torch.bfloat16 and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_bf16_rows_get_the_same_bits_alone_and_in_a_batch():
+    x, residual, weight = _randn(9, 576).bfloat16(), _randn(9, 576).bfloat16(), _randn(576).bfloat16()
+    cos, sin = torch_ops.rope_cos_sin(64, 256, 10000.0)
+    q, positions = _randn(9, 9, 64).bfloat16(), torch.arange(9) * 7
+    together = cpu_layer_ops.add_rms_norm(x, residual, weight, 1e-5)[0]
+    alone = torch.cat([cpu_layer_ops.add_rms_norm(x[i:i + 1], residual[i:i + 1], weight, 1e-5)[0] for i in range(9)])
+    assert torch.equal(together, alone)
+    rotated = cpu_layer_ops.rope(q, positions, cos, sin)
+    assert torch.equal(rotated, torch.cat([cpu_layer_ops.rope(q[i:i + 1], positions[i:i + 1], cos, sin)
+                                           for i in range(9)]))
+    assert cpu_layer_ops.silu_and_mul(_randn(2, 64).bfloat16()) is None  # bf16 SiLU: torch's

@@ -17,7 +17,7 @@ from pdserve.cli import build_parser
 from pdserve.quant.checkpoint import write_gguf_tokenizer
 from pdserve.quant.gptq_cpu import int4_codes, layout_problem
 from pdserve.quant.gptq_format import QuantizedWeight
-from pdserve.quant.int4_cpu import Int4Linear, weights_for
+from pdserve.quant.int4_cpu import Int4Linear, permute_columns, weights_for
 from pdserve.quant.linear import ConcatLinear, QuantLinear, fused_linear
 from pdserve.quant.quantizer import QuantResult, rtn_quantize
 from pdserve.quant.spec import QuantSpec
@@ -109,9 +109,13 @@ def test_a_kept_dense_copy_of_a_permuted_weight_changes_no_output_bit(bits):
     plain, kept = Int4Linear(codes), Int4Linear(codes)
     kept.keep_dense_copy()
     gen = torch.Generator().manual_seed(3)
-    for rows in (1, plain.dense_from_rows - 1, plain.dense_from_rows, 300):
+    # Rows that take the same path with the copy and without: the same bits (between the two
+    # thresholds the copy runs dense, tested in test_int4_cpu.py).
+    for rows in (1, kept.dense_from_rows - 1, plain.dense_from_rows, 300):
         x = torch.randn(rows, 128, generator=gen).to(BF16)
         assert torch.equal(kept(x), plain(x)), rows
+    x = torch.randn(kept.dense_from_rows, 128, generator=gen).to(BF16)
+    assert torch.equal(kept(x), F.linear(permute_columns(x, kept.perm), plain.dequantized()))
     x = torch.randn(300, 128, generator=gen).to(BF16)
     torch.testing.assert_close(kept(x).float(), x.float() @ codes.dequantize().t(), rtol=0.02, atol=0.05)
 

@@ -45,23 +45,31 @@ def tiny_model():
     return checkpoint.config, checkpoint.weights
 
 
-def test_engine_metrics_follow_the_steps(make_engine, tiny_model) -> None:
+def test_engine_metrics_follow_the_steps(make_engine, tiny_model, monkeypatch) -> None:
+    from pdserve.runtime import engine_metrics
+
     config, weights = tiny_model
     engine = make_engine(config, weights, num_blocks=64, max_num_seqs=4)
     steps0, batch_sum0 = value("pdserve_engine_step_seconds_count"), value("pdserve_engine_batch_size_sum")
     queue0 = value("pdserve_engine_queue_seconds_count")
     batch4_0 = bucket("pdserve_engine_batch_size", "4.0") - bucket("pdserve_engine_batch_size", "2.0")
-    aengine = AsyncEngine(engine, batch_window_s=0.05).start()  # a window long enough to batch all four
     seen_running: list[float] = []
     seen_usage: list[float] = []
+    refresh = engine_metrics.refresh_gauges
+
+    def refresh_and_read(e) -> None:  # the gauges as each step leaves them, read on the engine thread
+        refresh(e)                    # (a client may read them only after the engine finished)
+        seen_running.append(value("pdserve_engine_running_seqs"))
+        seen_usage.append(value("pdserve_kv_cache_usage_ratio"))
+
+    monkeypatch.setattr(engine_metrics, "refresh_gauges", refresh_and_read)
+    aengine = AsyncEngine(engine, batch_window_s=0.05).start()  # a window long enough to batch all four
 
     async def one(i: int) -> int:
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
         n = 0
         async for outs in aengine.generate(AddRequest(f"m{i}", [3, 4, 5, i + 6], params)):
             n += sum(len(o.new_token_ids) for o in outs)
-            seen_running.append(value("pdserve_engine_running_seqs"))
-            seen_usage.append(value("pdserve_kv_cache_usage_ratio"))
         return n
 
     async def main() -> list[int]:

@@ -69,6 +69,8 @@ _LAYER_OPS_ARGS = {
     # cache, k, k_stride, v, v_stride, slots, n, row_bytes, block_size, block_stride, k_offset, num_slots
     "kv_write_rows": [_P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I],
 }
+# Their bf16 versions take the same arguments (bf16 rows, fp32 eps and RoPE tables).
+_LAYER_OPS_ARGS.update({f"{name}_bf16": _LAYER_OPS_ARGS[f"{name}_f32"] for name in ("add_rms_norm", "rope")})
 
 
 def cache_dir() -> Path:
@@ -158,7 +160,7 @@ def library() -> ctypes.CDLL | None:
     for inputs in KV_WRITE_INPUTS:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     for name, argtypes in _LAYER_OPS_ARGS.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name in ("rope_f32", "kv_write_rows") else None
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name.startswith(("rope", "kv_write")) else None
     lib.decode_step_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     lib.decode_step_f32.restype = ctypes.c_int
     lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int

@@ -1,11 +1,14 @@
-"""A decoder layer's fp32 row operations in C on the CPU (kernels/cpu/layer_ops.c, built into
-cpu_attention's library): RMSNorm with the residual add, RoPE, SiLU-and-multiply, the float KV write.
+"""A decoder layer's fp32 and bf16 row operations in C on the CPU (kernels/cpu/layer_ops.c, built
+into cpu_attention's library): RMSNorm with the residual add, RoPE, SiLU-and-multiply, the float KV
+write.
 
 torch spends more on dispatching these than on their arithmetic at a few tokens a step (its CPU
 RMSNorm alone is six ops); one C call each is a few microseconds. They are also what the one-call
 decode step (cpu_decode_step) runs, so the eager step and that step agree to the bit. Each function
 returns None where it does not apply (not fp32 on the CPU, a layout it does not take, no library):
-the caller runs torch's path, the reference (torch_ops).
+the caller runs torch's path, the reference (torch_ops). bf16 rows are rounded where torch's path
+rounds them (RoPE: the same bits; RMSNorm: at most one bf16 ulp apart, rarely): a bf16 decode step of
+one sequence spent about 2 of its 14 ms in torch's versions of these. bf16 SiLU stays torch's.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import torch
 
 from pdserve.runtime.kernels import cpu_attention
 
-def _rows_f32(x: torch.Tensor) -> bool:
-    """An fp32 CPU tensor whose rows are contiguous, outside autograd (C has no backward: training,
-    such as QAT's, takes torch's path)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _rows_f32(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """A CPU tensor of `dtype` whose rows are contiguous, outside autograd (C has no backward:
+    training, such as QAT's, takes torch's path)."""
+    return (x.dtype == dtype and x.device.type == "cpu" and x.stride(-1) == 1
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
@@ -25,14 +31,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """x, residual: [N, D] -> (rms_norm(x + residual) * weight, x + residual); residual None: (rms_norm(x)
     * weight, x). None where it does not apply."""
-    lib = cpu_attention.library()
-    if lib is None or x.dim() != 2 or not _rows_f32(x) or not _rows_f32(weight) or (residual is not None and not (
-            _rows_f32(residual) and residual.is_contiguous() and residual.shape == x.shape)):
+    lib, dt = cpu_attention.library(), x.dtype
+    if lib is None or x.dim() != 2 or dt not in _SUFFIX or not _rows_f32(x, dt) or not _rows_f32(weight, dt) or (
+            residual is not None and not (_rows_f32(residual, dt) and residual.is_contiguous()
+                                          and residual.shape == x.shape)):
         return None
     n, d = x.shape
-    out = torch.empty((n, d), dtype=torch.float32)
-    summed = x if residual is None else torch.empty((n, d), dtype=torch.float32)
-    lib.add_rms_norm_f32(
+    out = torch.empty((n, d), dtype=dt)
+    summed = x if residual is None else torch.empty((n, d), dtype=dt)
+    getattr(lib, f"add_rms_norm_{_SUFFIX[dt]}")(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), weight.contiguous().data_ptr(),
         n, d, eps, out.data_ptr(), None if residual is None else summed.data_ptr())
     return out, summed
@@ -43,13 +50,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     contiguous; positions [N] int64; cos, sin [P, D] contiguous. None where it does not apply (a position
     outside [0, P) included)."""
     n, h, d = x.shape
-    lib = cpu_attention.library()
-    if (lib is None or not _rows_f32(x) or x.stride(1) != d or positions.dtype != torch.int64
+    lib, dt = cpu_attention.library(), x.dtype
+    if (lib is None or dt not in _SUFFIX or not _rows_f32(x, dt) or x.stride(1) != d or positions.dtype != torch.int64
             or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
             or not positions.is_contiguous()):
         return None
-    out = torch.empty((n, h, d), dtype=torch.float32)
-    failed = lib.rope_f32(x.data_ptr(), x.stride(0), n, h, d, positions.data_ptr(), cos.data_ptr(),
+    out = torch.empty((n, h, d), dtype=dt)
+    failed = getattr(lib, f"rope_{_SUFFIX[dt]}")(x.data_ptr(), x.stride(0), n, h, d, positions.data_ptr(), cos.data_ptr(),
                           sin.data_ptr(), cos.shape[0], out.data_ptr())
     return None if failed else out  # a position past the tables: torch's path raises the IndexError
 

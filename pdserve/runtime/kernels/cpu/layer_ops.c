@@ -142,6 +142,134 @@ void silu_mul_f32(const float* gate_up, int64_t stride, int64_t n, int64_t inter
     }
 }
 
+// ---- bf16 rows (the bf16 compute dtype's glue; pdserve.runtime.kernels.cpu_layer_ops) ----
+// Each rounds to bf16 where torch's reference path (torch_ops.*_torch) does, and computes between
+// the roundings in fp32 as torch does: products and sums of two bf16 values are exact or rounded once
+// in fp32 alike, so RoPE equals torch's bit for bit; RMSNorm's mean and SiLU's exp are fp32 values
+// within an ulp or two of torch's, so those outputs may differ from torch's by one bf16 ulp, rarely.
+
+static inline float f32_of(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 (a NaN stays a quiet NaN).
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef LAYER_OPS_AVX2
+// 8 bf16 -> 8 fp32 (exact), and 8 fp32 -> 8 bf16 rounded as bf16_round.
+static inline __m256 load8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline __m128i round8_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    // 32 -> 16 bits (every value fits): packus works within 128-bit lanes, the permute joins them.
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+static inline __m256 rounded8(__m256 v) {  // v rounded to bf16, back in fp32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round8_bf16(v)), 16));
+}
+
+// BODY over bf16 rows a, b of n elements, 8 at a time (the tail through zero-padded copies, so that
+// every element takes the same instructions); the bf16 results go to out.
+#define MAP8_BF16(n, SRC_A, SRC_B, out, BODY)                                                       \
+    for (int64_t i = 0; i < (n); i += LANES) {                                                      \
+        const int64_t w = (n) - i < LANES ? (n) - i : LANES;                                        \
+        uint16_t pa[LANES] = {0}, pb[LANES] = {0}, res[LANES];                                      \
+        const uint16_t* ra = (SRC_A) + i;                                                           \
+        const uint16_t* rb = (SRC_B) + i;                                                           \
+        if (w < LANES) {                                                                            \
+            memcpy(pa, ra, w * sizeof(uint16_t));                                                   \
+            memcpy(pb, rb, w * sizeof(uint16_t));                                                   \
+            ra = pa;                                                                                \
+            rb = pb;                                                                                \
+        }                                                                                           \
+        const __m256 a = load8_bf16(ra), b = load8_bf16(rb);                                        \
+        (void)b;                                                                                    \
+        const __m128i value = round8_bf16(BODY);                                                    \
+        if (w == LANES)                                                                             \
+            _mm_storeu_si128((__m128i*)((out) + i), value);                                         \
+        else {                                                                                      \
+            _mm_storeu_si128((__m128i*)res, value);                                                 \
+            memcpy((out) + i, res, w * sizeof(uint16_t));                                           \
+        }                                                                                           \
+    }
+#endif
+
+// As add_rms_norm_f32, in bf16: summed = bf16(x + residual), out = bf16(weight * bf16(summed * inv)),
+// inv = 1 / sqrt(mean(summed^2) + eps) from a double sum, rounded once to fp32.
+void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, const uint16_t* weight,
+                       int64_t n, int64_t d, float eps, uint16_t* out, uint16_t* summed) {
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t* xr = x + r * x_stride;
+        uint16_t* s = residual != NULL ? summed + r * d : NULL;
+        if (s != NULL) {
+#ifdef LAYER_OPS_AVX2
+            MAP8_BF16(d, xr, residual + r * d, s, _mm256_add_ps(a, b))
+#else
+            for (int64_t i = 0; i < d; i++) s[i] = bf16_round(f32_of(xr[i]) + f32_of(residual[r * d + i]));
+#endif
+        }
+        const uint16_t* src = s != NULL ? s : xr;
+        // Squares of bf16 values are exact in double, and so (short of a 2^37 spread) are their sums:
+        // eight partial sums, so that the additions do not wait on each other.
+        double part[LANES] = {0};
+        for (int64_t i = 0; i < d; i++) part[i % LANES] += (double)f32_of(src[i]) * f32_of(src[i]);
+        double ss = 0.0;
+        for (int l = 0; l < LANES; l++) ss += part[l];
+        const float inv = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+#ifdef LAYER_OPS_AVX2
+        const __m256 scale = _mm256_set1_ps(inv);
+        MAP8_BF16(d, src, weight, out + r * d, _mm256_mul_ps(b, rounded8(_mm256_mul_ps(a, scale))))
+#else
+        for (int64_t i = 0; i < d; i++)
+            out[r * d + i] = bf16_round(f32_of(weight[i]) * f32_of(bf16_round(f32_of(src[i]) * inv)));
+#endif
+    }
+}
+
+// As rope_f32, in bf16 as torch_ops.apply_rope_torch computes it: cos and sin rounded to bf16, then
+// out[i] = bf16(bf16(x[i] c[i]) + bf16(-x[i + h] s[i])), out[i + h] = bf16(bf16(x[i + h] c[i + h]) + bf16(x[i] s[i + h])).
+// (A decode step's rows are few and a head's 64 values short: scalar.)
+int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
+              const float* cos, const float* sin, int64_t max_positions, uint16_t* out) {
+    const int64_t half = dim / 2;
+    for (int64_t r = 0; r < n; r++)
+        if (positions[r] < 0 || positions[r] >= max_positions) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const float* c = cos + positions[r] * dim;
+        const float* s = sin + positions[r] * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t* v = x + r * x_stride + h * dim;
+            uint16_t* o = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = f32_of(v[i]), hi = f32_of(v[i + half]);
+                const float a = f32_of(bf16_round(lo * f32_of(bf16_round(c[i]))));
+                const float b = f32_of(bf16_round(-hi * f32_of(bf16_round(s[i]))));
+                const float e = f32_of(bf16_round(hi * f32_of(bf16_round(c[i + half]))));
+                const float f = f32_of(bf16_round(lo * f32_of(bf16_round(s[i + half]))));
+                o[i] = bf16_round(a + b);
+                o[i + half] = bf16_round(e + f);
+            }
+        }
+    }
+    return 0;
+}
+
 // In place: each of `rows` rows of t_pad scores becomes the softmax of its first len[row / per_len]
 // values (those past it are left as they are: nobody reads them). Sums in a fixed order.
 void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_len, const int64_t* lens) {
