@@ -41,26 +41,29 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// BODY(a, b) for 8 elements at a time, i < n: full blocks loaded in place (LOAD_A, LOAD_B: pointers
-// to element i), the tail through zero-padded copies, so that every element takes the same
-// instructions wherever it sits in a row. STORE(i, value, count) writes the results.
-#define MAP8(n, SRC_A, SRC_B, BODY, STORE)                                                            \
+// BODY(a, b) for 8 elements at a time, i < n: full blocks loaded in place (LOAD: 8 elements of type T
+// from a pointer to element i, as fp32), the tail through zero-padded copies, so that every element
+// takes the same instructions wherever it sits in a row. STORE writes `value` (w of its lanes at i).
+#define MAP8_T(T, LOAD, n, SRC_A, SRC_B, BODY, STORE)                                                 \
     for (int64_t i = 0; i < (n); i += LANES) {                                                        \
         const int64_t w = (n) - i < LANES ? (n) - i : LANES;                                          \
-        float pa[LANES] = {0}, pb[LANES] = {0}, res[LANES];                                           \
-        const float* ra = (SRC_A) + i;                                                                \
-        const float* rb = (SRC_B) + i;                                                                \
+        T pa[LANES] = {0}, pb[LANES] = {0};                                                           \
+        float res[LANES];                                                                             \
+        (void)res;                                                                                    \
+        const T* ra = (SRC_A) + i;                                                                    \
+        const T* rb = (SRC_B) + i;                                                                    \
         if (w < LANES) {                                                                              \
-            memcpy(pa, ra, w * sizeof(float));                                                        \
-            memcpy(pb, rb, w * sizeof(float));                                                        \
+            memcpy(pa, ra, w * sizeof(T));                                                            \
+            memcpy(pb, rb, w * sizeof(T));                                                            \
             ra = pa;                                                                                  \
             rb = pb;                                                                                  \
         }                                                                                             \
-        const __m256 a = _mm256_loadu_ps(ra), b = _mm256_loadu_ps(rb);                                \
+        const __m256 a = LOAD(ra), b = LOAD(rb);                                                      \
         (void)b;                                                                                      \
         const __m256 value = BODY;                                                                    \
         STORE;                                                                                        \
     }
+#define MAP8(n, SRC_A, SRC_B, BODY, STORE) MAP8_T(float, _mm256_loadu_ps, n, SRC_A, SRC_B, BODY, STORE)
 #else
 static inline float exp1(float x) {
     x = fminf(fmaxf(x, -87.3365447505531f), 88.3762626647949f);
@@ -184,30 +187,21 @@ static inline __m256 rounded8(__m256 v) {  // v rounded to bf16, back in fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(round8_bf16(v)), 16));
 }
 
-// BODY over bf16 rows a, b of n elements, 8 at a time (the tail through zero-padded copies, so that
-// every element takes the same instructions); the bf16 results go to out.
-#define MAP8_BF16(n, SRC_A, SRC_B, out, BODY)                                                       \
-    for (int64_t i = 0; i < (n); i += LANES) {                                                      \
-        const int64_t w = (n) - i < LANES ? (n) - i : LANES;                                        \
-        uint16_t pa[LANES] = {0}, pb[LANES] = {0}, res[LANES];                                      \
-        const uint16_t* ra = (SRC_A) + i;                                                           \
-        const uint16_t* rb = (SRC_B) + i;                                                           \
-        if (w < LANES) {                                                                            \
-            memcpy(pa, ra, w * sizeof(uint16_t));                                                   \
-            memcpy(pb, rb, w * sizeof(uint16_t));                                                   \
-            ra = pa;                                                                                \
-            rb = pb;                                                                                \
-        }                                                                                           \
-        const __m256 a = load8_bf16(ra), b = load8_bf16(rb);                                        \
-        (void)b;                                                                                    \
-        const __m128i value = round8_bf16(BODY);                                                    \
-        if (w == LANES)                                                                             \
-            _mm_storeu_si128((__m128i*)((out) + i), value);                                         \
-        else {                                                                                      \
-            _mm_storeu_si128((__m128i*)res, value);                                                 \
-            memcpy((out) + i, res, w * sizeof(uint16_t));                                           \
-        }                                                                                           \
+// The first w of 8 values rounded to bf16 into dst.
+static inline void store_bf16(uint16_t* dst, int64_t w, __m256 v) {
+    const __m128i r = round8_bf16(v);
+    if (w == LANES) {
+        _mm_storeu_si128((__m128i*)dst, r);
+    } else {
+        uint16_t t[LANES];
+        _mm_storeu_si128((__m128i*)t, r);
+        memcpy(dst, t, w * sizeof(uint16_t));
     }
+}
+
+// MAP8 over bf16 rows (computed in fp32), the results rounded to bf16 into out.
+#define MAP8_BF16(n, SRC_A, SRC_B, out, BODY) \
+    MAP8_T(uint16_t, load8_bf16, n, SRC_A, SRC_B, BODY, store_bf16((out) + i, w, value))
 #endif
 
 // As add_rms_norm_f32, in bf16: summed = bf16(x + residual), out = bf16(weight * bf16(summed * inv)),
