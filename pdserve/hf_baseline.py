@@ -24,12 +24,14 @@ def hf_config(config: ModelConfig):
 
 
 def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]):
-    """A transformers CausalLM (eval, fp32) holding `weights`."""
+    """A transformers CausalLM (eval) holding `weights`, in their dtype (a bf16 checkpoint: a bf16
+    model, so that a baseline runs what the engine runs; it was fp32 whatever the weights before)."""
     import transformers
 
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM}[config.architecture]
-    model = cls(hf_config(config)).eval()
+    dtype = next((v.dtype for v in weights.values() if v.is_floating_point()), torch.float32)
+    model = cls(hf_config(config)).eval().to(dtype)
     state = {k: v for k, v in weights.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     model.load_state_dict(state, strict=False)
     return model

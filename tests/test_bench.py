@@ -280,3 +280,19 @@ def test_bench_kv_think_times_and_documents() -> None:
     tok = load_checkpoint(resolve_model_path(None)).tokenizer
     text = story_text(tok, random.Random(3), 300)
     assert 300 <= len(tok.encode(text, add_bos=False)) < 340
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_transformers_baseline_runs_in_the_checkpoints_dtype(dtype):
+    """bench-engine's baseline multiplies what the engine multiplies: a bf16 checkpoint gives a bf16
+    transformers model (it was fp32 whatever the weights, which flattered bf16 engines 1.7x)."""
+    import torch
+
+    from pdserve.hf_baseline import hf_model
+    from pdserve.runtime.loader import load_checkpoint
+
+    ck = load_checkpoint(STORIES_GGUF, dtype=getattr(torch, dtype))
+    model = hf_model(ck.config, ck.weights)
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    embed = ck.weights[ck.config.arch.global_name("embed")]
+    assert torch.equal(model.get_input_embeddings().weight, embed)
