@@ -36,7 +36,7 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
                    help="with packed projections (int4/packed), also keep them dequantized, for the dense weights' "
                         "memory (SmolLM2: +212 MB): prefill chunks of 128 rows or more about 1.5x faster, outputs "
                         "unchanged; with bfloat16/float16 compute also decode steps of 16 or more sequences (a 1.6x "
-                        "faster step at 32, outputs within fp32 summation order of the packed kernel's); auto: "
+                        "faster step at 32, outputs within bf16 rounding noise of the packed kernel's); auto: "
                         "on for prefill workers, and for the others where --dtype resolves to bfloat16/float16 "
                         "(default: %(default)s)")
 

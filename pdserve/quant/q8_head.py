@@ -97,7 +97,8 @@ class Q8Head:
         if self.dense is not None:
             y = cpu_int4_matmul.matmul_int8_bf16(hidden, self.codes, self.scale) \
                 if hidden.shape[0] < BF16_KERNEL_BELOW_ROWS else None
-            return F.linear(hidden, self.dense).float() if y is None else y
+            # Rounded to bf16 as the dense matmul's output is: the same logits' precision either way.
+            return F.linear(hidden, self.dense).float() if y is None else y.to(torch.bfloat16).float()
         x = hidden.float()
         y = cpu_int4_matmul.matmul_int8(x, self.codes, self.scale)
         return F.linear(x, self.dequantize()) if y is None else y
