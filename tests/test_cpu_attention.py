@@ -31,7 +31,8 @@ def _case(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int, b
     return q, cache, tables, lens
 
 
-SHAPES = [(9, 3, 64), (8, 4, 8), (4, 4, 32), (6, 1, 40)]  # SmolLM2, stories260K, MHA, MQA with a ragged dim
+SHAPES = [(9, 3, 64), (8, 4, 8), (4, 4, 32), (6, 1, 40), (6, 2, 128), (16, 2, 64)]  # SmolLM2, stories260K, MHA,
+# MQA with a ragged dim; head dim 128, GQA 3 (registers) and 8 (more accumulators than registers: the portable pass)
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)

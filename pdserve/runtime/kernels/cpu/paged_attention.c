@@ -147,6 +147,105 @@ DEFINE_WEIGHTED_VALUES(paged_values_f32_f32, float, STORE_F32, float, load_row_f
 DEFINE_WEIGHTED_VALUES(paged_values_bf16_i8, uint16_t, f32_to_bf16, int8_t, load_row_i8, 1)
 DEFINE_WEIGHTED_VALUES(paged_values_f32_i8, float, STORE_F32, int8_t, load_row_i8, 1)
 
+// bf16 queries over a bf16 cache on CPUs with AVX512-BF16, head dims a multiple of 32 (SmolLM2's 64):
+// the scores multiply the stored bf16 pairs directly (`vdpbf16ps`, fp32 sums, one horizontal sum a
+// score) instead of widening every key to fp32 first, and the weighted values run one kv head at a
+// time with its query heads' accumulators in registers instead of reloading [H, D] sums per token.
+// The same products, other fp32 sum orders: a sequence's output still depends on nothing else. At
+// 32 sequences of 264 tokens (one layer, one thread, Xeon with AVX512-BF16) the scalar-order
+// versions above took 1.6 ms, about half of a 32-stream decode step through the stack.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define BF16_DOT_ATTENTION 1
+#define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 accumulators held in registers by the values pass
+
+static int bf16_dot_applies(int64_t heads, int64_t kv_heads, int64_t dim) {
+    return dim % 32 == 0 && dim <= MAX_HEAD_DIM && heads <= MAX_HEADS && (heads / kv_heads) * dim / 16 <= MAX_ACC_VECTORS;
+}
+
+static void scores_bf16_dot(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(uint16_t)) {
+    const int64_t row = kv_heads * dim, group = heads / kv_heads;
+    for (int64_t b = 0; b < batch; b++) {
+        SEQUENCE_PROLOGUE
+        const uint16_t* qb = q + b * heads * dim;
+        float* out = scores + b * heads * t_pad;
+        for (int64_t t = 0; t < len; t++) {
+            const int64_t slot = t % block_size;
+            const uint16_t* chunk = cache + table[t / block_size] * block_stride + offset;
+            if (slot == 0 && t + block_size < len)
+                prefetch_next((const char*)(cache + table[t / block_size + 1] * block_stride + offset),
+                              block_size * row * (int64_t)sizeof(uint16_t));
+            const uint16_t* k = chunk + slot * row;
+            for (int64_t hq = 0; hq < heads; hq++) {
+                const uint16_t* kh = k + (hq / group) * dim;
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t d = 0; d < dim; d += 32)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + hq * dim + d),
+                                           (__m512bh)_mm512_loadu_si512(kh + d));
+                out[hq * t_pad + t] = scale * _mm512_reduce_add_ps(acc);
+            }
+        }
+    }
+}
+
+static inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exact
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// One kv head g of one sequence: out rows of its `group` query heads. Inlined with constant group and
+// per_head (the dispatch below), so that the accumulators stay in registers.
+static inline __attribute__((always_inline)) void values_one_kv_head(
+        const float* p, uint16_t* out, const uint16_t* cache, const int64_t* table, int64_t len, int64_t g,
+        int64_t group, int64_t per_head, int64_t row, int64_t dim, int64_t block_size, int64_t block_stride,
+        int64_t offset, int64_t t_pad) {
+    __m512 acc[MAX_ACC_VECTORS];  // [group][per_head]
+    for (int64_t i = 0; i < group * per_head; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t slot = t % block_size;
+        const uint16_t* chunk = cache + table[t / block_size] * block_stride + offset;
+        if (g == 0 && slot == 0 && t + block_size < len)
+            prefetch_next((const char*)(cache + table[t / block_size + 1] * block_stride + offset),
+                          block_size * row * (int64_t)sizeof(uint16_t));
+        const uint16_t* v = chunk + slot * row + g * dim;
+        for (int64_t c = 0; c < per_head; c++) {
+            const __m512 vc = widen16(v + c * 16);
+            for (int64_t j = 0; j < group; j++)
+                acc[j * per_head + c] =
+                    _mm512_fmadd_ps(_mm512_set1_ps(p[(g * group + j) * t_pad + t]), vc, acc[j * per_head + c]);
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float sums[MAX_HEAD_DIM];
+        for (int64_t c = 0; c < per_head; c++) _mm512_storeu_ps(sums + c * 16, acc[j * per_head + c]);
+        uint16_t* o = out + (g * group + j) * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = f32_to_bf16(sums[d]);
+    }
+}
+
+static void values_bf16_dot(const float* probs, uint16_t* out, KERNEL_ARGS(uint16_t)) {
+    const int64_t row = kv_heads * dim, group = heads / kv_heads, per_head = dim / 16;
+    for (int64_t b = 0; b < batch; b++) {
+        SEQUENCE_PROLOGUE
+        const float* p = probs + b * heads * t_pad;
+        uint16_t* o = out + b * heads * dim;
+        for (int64_t g = 0; g < kv_heads; g++) {
+#define VALUES_CASE(G, PH)                                                                                   \
+    case G * 100 + PH:                                                                                        \
+        values_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad); \
+        break;
+            switch (group * 100 + per_head) {  // head dims 64 and 128, GQA groups 1-6 and 1-3
+                VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4)
+                VALUES_CASE(6, 4) VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
+                default:
+                    values_one_kv_head(p, o, cache, table, len, g, group, per_head, row, dim, block_size,
+                                       block_stride, offset, t_pad);
+            }
+#undef VALUES_CASE
+        }
+    }
+}
+#endif
+
 void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_len, const int64_t* lens);  // layer_ops.c
 
 // One call: scores into `scores` ([B, H, T_pad] scratch), their softmax in place, then out. k_offset
@@ -165,7 +264,29 @@ void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_le
     }
 
 // Names: paged_attention_<query dtype>_<cache dtype>.
+#ifdef BF16_DOT_ATTENTION
+// bf16 over bf16: the AVX512-BF16 passes where they apply, else the portable ones.
+static int scores_bf16_any(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(uint16_t)) {
+    if (!bf16_dot_applies(heads, kv_heads, dim))
+        return paged_scores_bf16_bf16(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                      kv_heads, dim, block_size, block_stride, offset, t_pad);
+    scores_bf16_dot(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
+                    block_size, block_stride, offset, t_pad);
+    return 0;
+}
+
+static int values_bf16_any(const float* probs, uint16_t* out, KERNEL_ARGS(uint16_t)) {
+    if (!bf16_dot_applies(heads, kv_heads, dim))
+        return paged_values_bf16_bf16(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                      kv_heads, dim, block_size, block_stride, offset, t_pad);
+    values_bf16_dot(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
+                    block_size, block_stride, offset, t_pad);
+    return 0;
+}
+DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, scores_bf16_any, values_bf16_any)
+#else
 DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, paged_scores_bf16_bf16, paged_values_bf16_bf16)
+#endif
 DEFINE_ATTENTION(paged_attention_f32_f32, float, float, paged_scores_f32_f32, paged_values_f32_f32)
 DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)
 DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)
