@@ -52,11 +52,15 @@ class Q8Head:
         return cls(codes.view(v, d).contiguous(), scale.contiguous())
 
     @classmethod
-    def from_file(cls, path: Path, gguf_name: str, dense: torch.Tensor) -> Q8Head:
-        """The file's Q8_0 codes and scales of tensor `gguf_name`, beside `dense`, its loaded bf16 weight."""
+    def from_file(cls, path: Path, gguf_name: str, dense: torch.Tensor) -> Q8Head | None:
+        """The file's Q8_0 codes and scales of tensor `gguf_name`, beside `dense`, its loaded bf16 weight
+        (None where the file's tensor is not Q8_0)."""
         from pdserve.quant.gguf_packed import read_packed
 
-        blocks = read_packed(path, {gguf_name: "head"})[0]["head"]  # codes stored as q + 128
+        packed, types = read_packed(path, {gguf_name: "head"})
+        if types.get("head") != "Q8_0":
+            return None
+        blocks = packed["head"]  # codes stored as q + 128
         codes = (blocks.codes.to(torch.int16) - 128).to(torch.int8)
         return cls(codes.contiguous(), blocks.scale.contiguous(), dense)
 
@@ -126,7 +130,13 @@ def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str
     tied = model.tie_word_embeddings or head not in weights
     name = embed if tied else head  # tied: the file's token embedding is the head
     gguf_name = arch.to_gguf(name)
-    if model.hidden_size % GROUP or gguf_tensor_type(checkpoint.source, gguf_name) != "Q8_0":
+    if model.hidden_size % GROUP:
         return weights
-    codes = Q8Head.from_dense(weights[name]) if fp32 else Q8Head.from_file(checkpoint.source, gguf_name, weights[name])
+    if fp32:  # the loaded fp32 weight is the file's exactly: its codes re-derived, the file read once
+        is_q8 = gguf_tensor_type(checkpoint.source, gguf_name) == "Q8_0"
+        codes = Q8Head.from_dense(weights[name]) if is_q8 else None
+    else:  # the loaded weight is rounded to bf16: the codes from the file, its types read with them
+        codes = Q8Head.from_file(checkpoint.source, gguf_name, weights[name])
+    if codes is None:
+        return weights
     return {**weights, name: codes, **({head: codes} if tied else {})}

@@ -40,23 +40,25 @@ def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: to
 
     nibbles: [N, K/2] uint8 (byte j: code 2j low, 2j + 1 high); scale, mins: [N, K/32] fp32, bias [N]
     fp32, all contiguous. None where the kernel does not apply (`supports`)."""
+    if not supports(x):
+        return None
     weights = (nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), 0 if bias is None else bias.data_ptr())
-    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32 if available() else None,
-                             weights)
+    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32, weights)
 
 
 def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] fp32 times w[n, k] = codes[n, k] * scale[n, k/32] -> y [M, N] fp32; codes [N, K] int8
     in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does not apply."""
-    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_f32 if available() else None,
+    if not supports(x):
+        return None
+    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_f32,
                              (codes.data_ptr(), scale.data_ptr()))
 
 
-def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...]) -> torch.Tensor | None:
-    """y [M, n] by the C `linear(x, m, k, x_stride, *weights, n0, n1, y, y_stride)` over the n outputs,
-    split across threads (each part quantizes x itself: one call a part, no tensors in between)."""
-    if not supports(x):
-        return None
+def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...]) -> torch.Tensor:
+    """y [M, n] fp32 by the C `linear(x, m, k, x_stride, *weights, n0, n1, y, y_stride)` over the n
+    outputs, split across threads (the fp32 kernels' parts each quantize x themselves: one call a part,
+    no tensors in between). The caller has checked that the kernel applies to x."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -81,7 +83,6 @@ def error_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     return (xd / 2) @ (scale.abs() * code_sums).t()
 
 
-
 @functools.cache
 def bf16_available() -> bool:
     """Whether the bf16-input head kernel runs here (kernels/cpu/bf16_matmul.c: a CPU with
@@ -98,15 +99,5 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
     if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
             and bf16_available()):
         return None
-    m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    n = codes.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    linear = cpu_attention.library().int8_linear_bf16
-
-    def rows(n0: int, n1: int) -> None:
-        linear(x.data_ptr(), m, k, x.stride(0), codes.data_ptr(), scale.data_ptr(), n0, n1, y.data_ptr(), n)
-
-    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
-    return y
+    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_bf16,
+                             (codes.data_ptr(), scale.data_ptr()))

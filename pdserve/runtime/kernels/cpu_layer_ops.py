@@ -5,7 +5,7 @@ write.
 torch spends more on dispatching these than on their arithmetic at a few tokens a step (its CPU
 RMSNorm alone is six ops); one C call each is a few microseconds. They are also what the one-call
 decode step (cpu_decode_step) runs, so the eager step and that step agree to the bit. Each function
-returns None where it does not apply (not fp32 on the CPU, a layout it does not take, no library):
+returns None where it does not apply (not fp32 / bf16 on the CPU, a layout it does not take, no library):
 the caller runs torch's path, the reference (torch_ops). bf16 rows are rounded where torch's path
 rounds them (RoPE: the same bits; RMSNorm: at most one bf16 ulp apart, rarely): a bf16 decode step of
 one sequence spent about 2 of its 14 ms in torch's versions of these. bf16 SiLU stays torch's.
@@ -20,7 +20,7 @@ from pdserve.runtime.kernels import cpu_attention
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _rows_f32(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+def _c_rows(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """A CPU tensor of `dtype` whose rows are contiguous, outside autograd (C has no backward:
     training, such as QAT's, takes torch's path)."""
     return (x.dtype == dtype and x.device.type == "cpu" and x.stride(-1) == 1
@@ -32,8 +32,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """x, residual: [N, D] -> (rms_norm(x + residual) * weight, x + residual); residual None: (rms_norm(x)
     * weight, x). None where it does not apply."""
     lib, dt = cpu_attention.library(), x.dtype
-    if lib is None or x.dim() != 2 or dt not in _SUFFIX or not _rows_f32(x, dt) or not _rows_f32(weight, dt) or (
-            residual is not None and not (_rows_f32(residual, dt) and residual.is_contiguous()
+    if lib is None or x.dim() != 2 or dt not in _SUFFIX or not _c_rows(x, dt) or not _c_rows(weight, dt) or (
+            residual is not None and not (_c_rows(residual, dt) and residual.is_contiguous()
                                           and residual.shape == x.shape)):
         return None
     n, d = x.shape
@@ -51,7 +51,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     outside [0, P) included)."""
     n, h, d = x.shape
     lib, dt = cpu_attention.library(), x.dtype
-    if (lib is None or dt not in _SUFFIX or not _rows_f32(x, dt) or x.stride(1) != d or positions.dtype != torch.int64
+    if (lib is None or dt not in _SUFFIX or not _c_rows(x, dt) or x.stride(1) != d or positions.dtype != torch.int64
             or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
             or not positions.is_contiguous()):
         return None
@@ -64,7 +64,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up: [N, 2 I] (gate first) -> silu(gate) * up [N, I]. None where it does not apply."""
     lib = cpu_attention.library()
-    if lib is None or gate_up.dim() != 2 or not _rows_f32(gate_up):
+    if lib is None or gate_up.dim() != 2 or not _c_rows(gate_up):
         return None
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((n, inter), dtype=torch.float32)

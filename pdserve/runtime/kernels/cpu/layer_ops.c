@@ -104,27 +104,33 @@ void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, c
 // out [n, heads, dim] contiguous (out == x allowed, stride dim * heads then). cos, sin [P, dim].
 //   out[i] = x[i] c[i] - x[i + h] s[i],  out[i + h] = x[i + h] c[i + h] + x[i] s[i + h]   (i < h = dim / 2)
 // Returns -1, writing nothing, where a position is outside [0, P).
-int rope_f32(const float* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
-             const float* cos, const float* sin, int64_t max_positions, float* out) {
-    const int64_t half = dim / 2;
-    for (int64_t r = 0; r < n; r++)
-        if (positions[r] < 0 || positions[r] >= max_positions) return -1;
-    for (int64_t r = 0; r < n; r++) {
-        const float* c = cos + positions[r] * dim;
-        const float* s = sin + positions[r] * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            const float* v = x + r * x_stride + h * dim;
-            float* o = out + (r * heads + h) * dim;
-            for (int64_t i = 0; i < half; i++) {
-                const float lo = v[i], hi = v[i + half];
-                const float a = lo * c[i], b = hi * s[i], e = hi * c[i + half], f = lo * s[i + half];
-                o[i] = a - b;
-                o[i + half] = e + f;
-            }
-        }
+// Both dtypes' RoPE: T the row element, LOAD(v) its fp32 value, ROUND(x) an intermediate as the dtype
+// holds it (in fp32), STORE(x) the stored element, TABLE(x) a cos / sin entry as the dtype holds it.
+#define DEFINE_ROPE(NAME, T, LOAD, ROUND, STORE, TABLE)                                                   \
+    int NAME(const T* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions, \
+             const float* cos, const float* sin, int64_t max_positions, T* out) {                           \
+        const int64_t half = dim / 2;                                                                        \
+        for (int64_t r = 0; r < n; r++)                                                                      \
+            if (positions[r] < 0 || positions[r] >= max_positions) return -1;                                \
+        for (int64_t r = 0; r < n; r++) {                                                                    \
+            const float* c = cos + positions[r] * dim;                                                       \
+            const float* s = sin + positions[r] * dim;                                                       \
+            for (int64_t h = 0; h < heads; h++) {                                                            \
+                const T* v = x + r * x_stride + h * dim;                                                     \
+                T* o = out + (r * heads + h) * dim;                                                          \
+                for (int64_t i = 0; i < half; i++) {                                                         \
+                    const float lo = LOAD(v[i]), hi = LOAD(v[i + half]);                                     \
+                    const float a = ROUND(lo * TABLE(c[i])), b = ROUND(hi * TABLE(s[i]));                    \
+                    const float e = ROUND(hi * TABLE(c[i + half])), f = ROUND(lo * TABLE(s[i + half]));      \
+                    o[i] = STORE(a - b);                                                                     \
+                    o[i + half] = STORE(e + f);                                                              \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        return 0;                                                                                            \
     }
-    return 0;
-}
+#define SAME(x) (x)
+DEFINE_ROPE(rope_f32, float, SAME, SAME, SAME, SAME)
 
 // out [n, inter] = silu(gate) * up, gate_up [n, 2 * inter] (gate first) with row stride `stride`;
 // silu(g) = g / (1 + exp(-g)).
@@ -236,33 +242,12 @@ void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* resi
     }
 }
 
-// As rope_f32, in bf16 as torch_ops.apply_rope_torch computes it: cos and sin rounded to bf16, then
-// out[i] = bf16(bf16(x[i] c[i]) + bf16(-x[i + h] s[i])), out[i + h] = bf16(bf16(x[i + h] c[i + h]) + bf16(x[i] s[i + h])).
+// As rope_f32, in bf16 as torch_ops.apply_rope_torch computes it: cos and sin rounded to bf16, each
+// product rounded to bf16, then their difference (sum) rounded: bf16(bf16(x[i] c[i]) - bf16(x[i + h] s[i])),
+// which is torch's bf16(bf16(x[i] c[i]) + bf16(-x[i + h] s[i])) (rounding to nearest even is symmetric).
 // (A decode step's rows are few and a head's 64 values short: scalar.)
-int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
-              const float* cos, const float* sin, int64_t max_positions, uint16_t* out) {
-    const int64_t half = dim / 2;
-    for (int64_t r = 0; r < n; r++)
-        if (positions[r] < 0 || positions[r] >= max_positions) return -1;
-    for (int64_t r = 0; r < n; r++) {
-        const float* c = cos + positions[r] * dim;
-        const float* s = sin + positions[r] * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t* v = x + r * x_stride + h * dim;
-            uint16_t* o = out + (r * heads + h) * dim;
-            for (int64_t i = 0; i < half; i++) {
-                const float lo = f32_of(v[i]), hi = f32_of(v[i + half]);
-                const float a = f32_of(bf16_round(lo * f32_of(bf16_round(c[i]))));
-                const float b = f32_of(bf16_round(-hi * f32_of(bf16_round(s[i]))));
-                const float e = f32_of(bf16_round(hi * f32_of(bf16_round(c[i + half]))));
-                const float f = f32_of(bf16_round(lo * f32_of(bf16_round(s[i + half]))));
-                o[i] = bf16_round(a + b);
-                o[i + half] = bf16_round(e + f);
-            }
-        }
-    }
-    return 0;
-}
+#define ROUNDED_BF16(x) f32_of(bf16_round(x))
+DEFINE_ROPE(rope_bf16, uint16_t, f32_of, ROUNDED_BF16, bf16_round, ROUNDED_BF16)
 
 // In place: each of `rows` rows of t_pad scores becomes the softmax of its first len[row / per_len]
 // values (those past it are left as they are: nobody reads them). Sums in a fixed order.
