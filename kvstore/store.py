@@ -5,6 +5,15 @@ immutable: putting a hash that is already stored is a no-op. A *lease* (the requ
 blocks it puts or gets so they survive eviction between prefill writing them and decode reading
 them; it ends with `release` or, if its owner disappeared, `lease_ttl_s` after its last use.
 
+A release is final: the lease id is remembered for `lease_ttl_s` after it (at most
+MAX_ENDED_LEASES ids), and puts and gets under it meanwhile store and return blocks without
+pinning them. Why: the gateway releases a cancelled request's lease at once, and a prefill
+worker's put still in flight can reach the store after that release (the worker answered before
+the cancel reached it, so it never releases itself); pinning then would hold those blocks for the
+whole TTL with nobody left to end the lease. The cost: a request retried under the same id after
+its lease ended (a Prefill retried on another worker) puts its blocks unpinned, so under memory
+pressure its decode worker may find some evicted and compute them.
+
 Only unpinned blocks are evicted, least recently used first (a put, a get hit, or the end of the
 last pin counts as a use; `lookup` does not, so probing never keeps blocks alive). Capacity counts
 block data bytes only.
@@ -85,6 +94,9 @@ class _Counters:
     bytes_out: int = 0
 
 
+MAX_ENDED_LEASES = 1 << 18  # about 50 MB of remembered ids at worst; beyond it the oldest are forgotten
+
+
 class MemoryBlockStore:
     """Content-addressed block store bounded by `capacity_bytes`; see the module docstring."""
 
@@ -110,6 +122,8 @@ class MemoryBlockStore:
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         # Ordered by expiry: the TTL is fixed, so a refreshed lease always moves to the end.
         self._leases: OrderedDict[str, _Lease] = OrderedDict()
+        # Released lease ids -> when they are forgotten, oldest first (the TTL is fixed).
+        self._ended: OrderedDict[str, float] = OrderedDict()
         self._used_bytes = 0
         self._unpinned_bytes = 0
         self._counters = _Counters()
@@ -123,6 +137,7 @@ class MemoryBlockStore:
         """
         _check_hash(block_hash)
         self._expire_leases()
+        lease = self._live(lease)
         entry = self._blocks.get(block_hash)
         if entry is not None:
             outcome = PutOutcome.ALREADY_PRESENT
@@ -141,6 +156,7 @@ class MemoryBlockStore:
         for block_hash in hashes:
             _check_hash(block_hash)
         self._expire_leases()
+        lease = self._live(lease)
         found: list[bytes | None] = []
         for block_hash in hashes:
             entry = self._blocks.get(block_hash)
@@ -194,9 +210,11 @@ class MemoryBlockStore:
         """End `lease`: unpin its blocks and return how many it pinned.
 
         With `drop` (the cancel path), also delete its blocks that no other lease ever used
-        and that nothing else pins.
+        and that nothing else pins. Puts and gets under `lease` pin nothing for `lease_ttl_s`
+        after (a release is final, even of a lease not seen yet: see the module docstring).
         """
         self._expire_leases()
+        self._end(lease)
         record = self._leases.pop(lease, None)
         if record is None:
             return 0
@@ -303,8 +321,20 @@ class MemoryBlockStore:
             self._leases.move_to_end(lease)
         return record
 
+    def _live(self, lease: str) -> str:
+        """`lease`, or "" (no pin) when it was released within the TTL: a release is final."""
+        return "" if lease in self._ended else lease
+
+    def _end(self, lease: str) -> None:
+        self._ended.pop(lease, None)
+        self._ended[lease] = self._clock() + self.lease_ttl_s
+        if len(self._ended) > MAX_ENDED_LEASES:
+            self._ended.popitem(last=False)
+
     def _expire_leases(self) -> None:
         now = self._clock()
+        while self._ended and next(iter(self._ended.values())) <= now:
+            self._ended.popitem(last=False)
         while self._leases:
             lease, record = next(iter(self._leases.items()))
             if record.expires_at > now:

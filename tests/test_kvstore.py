@@ -169,6 +169,27 @@ def test_expiry_order_follows_refreshes() -> None:
     store.check_consistency()
 
 
+def test_a_release_is_final_for_the_ttl_even_before_the_lease_pinned_anything() -> None:
+    # The race it closes: the gateway releases a cancelled request's lease, and a prefill
+    # worker's put under that lease arrives after the release (the worker answered before the
+    # cancel reached it, so it never releases it itself).
+    store, clock = _store(capacity=1000, ttl=10.0)
+    store.put(_h("a"), BLOCK, lease="r1")
+    assert store.release("r1") == 1
+    assert store.release("early") == 0  # released before anything was pinned under it
+    clock.now = 5.0
+    assert store.put(_h("b"), BLOCK, lease="early") is PutOutcome.STORED
+    assert store.get([_h("a"), _h("b")], lease="r1") == [BLOCK, BLOCK]  # the data, no pin
+    stats = store.stats()
+    assert (stats.num_leases, stats.num_pinned, stats.num_blocks) == (0, 0, 2)
+    assert store.release("early", drop=True) == 0 and _held(store, "b") == [True]  # not its block now
+    store.check_consistency()
+    clock.now = 15.1  # the ids are forgotten a TTL after their release: they pin again
+    store.get([_h("a")], lease="r1")
+    assert (store.stats().num_leases, store.stats().num_pinned) == (1, 1)
+    store.check_consistency()
+
+
 def test_lookup_counts_leading_present_hashes() -> None:
     store, _ = _store()
     store.put(_h("a"), BLOCK)
@@ -283,8 +304,9 @@ def test_release_and_drop_leave_no_pins() -> None:
             assert await client.release("prefill-1", drop=True) == 4  # cancel: 3 unshared blocks go
             assert await client.release("decode-1") == 1
             assert await client.release("never-existed") == 0
+            await client.put_blocks("never-existed", blocks[1:2])  # a put that lost the race to its release
             stats = await client.stats()
-            assert (stats.num_pinned, stats.num_leases, stats.num_blocks) == (0, 0, 1)
+            assert (stats.num_pinned, stats.num_leases, stats.num_blocks) == (0, 0, 2)
             store.check_consistency()
     run(body)
 
