@@ -6,6 +6,8 @@ it refuses."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kernels import cpu_attention
-from pdserve.runtime.kernels.cpu_decode_step import DecodeStepPlan
+from pdserve.runtime.kernels.cpu_decode_step import LOADED_STEPS, DecodeStepPlan, StepThreads
 from pdserve.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler: the kernels cannot be built")
@@ -93,6 +95,37 @@ def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, thr
     for a, b in zip(one_call["logits"], eager["logits"]):
         assert torch.equal(a, b)
     assert torch.equal(one_call["kv"], eager["kv"])
+
+
+def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypatch):
+    """Another process spinning on a core: the C step's threads wait at its barriers asleep (and the
+    plan runs later steps on one thread after a step that found its cores taken); the bits stay the
+    eager step's, whichever thread count each step ran on."""
+    prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (2 * i)) for i in range(3)]
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with torch_threads(2):
+            one_call = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=True)
+            eager = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=False)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert one_call["c_steps"] == 11
+    assert one_call["tokens"] == eager["tokens"]
+    for a, b in zip(one_call["logits"], eager["logits"]):
+        assert torch.equal(a, b)
+    assert torch.equal(one_call["kv"], eager["kv"])
+
+
+def test_after_a_step_that_found_its_cores_taken_the_next_run_on_one_thread():
+    threads = StepThreads()
+    with torch_threads(2):
+        assert threads.next() == 2
+        threads.after(loaded=False)
+        assert threads.next() == 2
+        threads.after(loaded=True)
+        assert [threads.next() for _ in range(LOADED_STEPS)] == [1] * LOADED_STEPS
+        assert threads.next() == 2
 
 
 def test_a_decode_row_of_a_prompt_token_runs_eagerly(int4_engine, smollm2):

@@ -161,7 +161,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     for name, argtypes in _LAYER_OPS_ARGS.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name.startswith(("rope", "kv_write")) else None
-    lib.decode_step_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    lib.decode_step_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     lib.decode_step_f32.restype = ctypes.c_int
     lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int
     lib.int8_linear_f32.argtypes, lib.int8_linear_f32.restype = _INT8_LINEAR_ARGS, ctypes.c_int

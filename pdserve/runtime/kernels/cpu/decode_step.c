@@ -13,12 +13,19 @@
 //
 // Shapes: B sequences, one token each; D hidden, H query heads, KVH kv heads, hd head dim, I the
 // MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] fp32, contiguous.
+#define _GNU_SOURCE  // syscall (the barrier's futex) and clock_gettime under -std=c11
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // The row operations and kernels, defined in the library's other units.
 void add_rms_norm_f32(const float* x, int64_t x_stride, const float* residual, const float* weight, int64_t n,
@@ -91,23 +98,58 @@ static float* scratch_alloc(const DecodeStep* s, Scratch* b) {
     return base;
 }
 
-// A barrier of the step's threads: spun on briefly (the others' part of a phase is microseconds
-// away), then yielding the core. Sense by generation count.
+// A barrier of the step's threads: spun on (the others' part of a phase is microseconds away), then
+// slept on (a futex). Why sleep and not sched_yield: when another process keeps a core busy (the
+// prefill worker beside this one), a member waiting here must free its core for the member that was
+// preempted; a yield only gives way on its own core's run queue, so every barrier then waited out a
+// scheduler time slice (a one-sequence step of 7 ms took 115 ms on 2 threads beside one busy
+// process). Spinning long enough that an unloaded step never sleeps (BARRIER_SPIN_NS, longer than a
+// phase's imbalance: a sequence's attention beside the others' nothing) costs a loaded one that
+// long per barrier, so once any member has slept the step spins only BARRIER_SPIN_LOADED_NS. The
+// step tells its caller whether most of its waits ended asleep (loaded: measured 270 of 270 beside a
+// busy process, at most 71 unloaded, on a cold first step), so that it runs on one thread for a
+// while. Sense by generation count; the last to arrive wakes the sleepers, if any.
 typedef struct {
-    atomic_int arrived, generation;
+    atomic_int arrived, generation, sleepers, slept;
     int size;
 } SpinBarrier;
+
+#define BARRIER_SPIN_NS 300000
+#define BARRIER_SPIN_LOADED_NS 20000
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 static void barrier_wait(SpinBarrier* b) {
     if (b->size == 1) return;
     const int gen = atomic_load_explicit(&b->generation, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->size - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_seq_cst);
+#ifdef __linux__
+        if (atomic_load_explicit(&b->sleepers, memory_order_seq_cst))
+            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);
+#endif
         return;
     }
-    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == gen; spins++)
-        if (spins > 4000) sched_yield();
+    const int loaded = atomic_load_explicit(&b->slept, memory_order_relaxed) > 0;
+    const int64_t until = now_ns() + (loaded ? BARRIER_SPIN_LOADED_NS : BARRIER_SPIN_NS);
+    for (int spins = 1;; spins++) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+        if (spins % 256 == 0 && now_ns() > until) break;
+    }
+    atomic_fetch_add_explicit(&b->slept, 1, memory_order_relaxed);
+#ifdef __linux__
+    atomic_fetch_add_explicit(&b->sleepers, 1, memory_order_seq_cst);
+    while (atomic_load_explicit(&b->generation, memory_order_seq_cst) == gen)  // returns at once if it moved
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+    atomic_fetch_sub_explicit(&b->sleepers, 1, memory_order_relaxed);
+#else
+    while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen) sched_yield();
+#endif
 }
 
 typedef struct {
@@ -214,9 +256,10 @@ static void* run_member(void* arg) {
 // embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
 // (this one and threads - 1 started for the step; fewer where they cannot be started). Returns 0;
 // 1 where the scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the
-// attention does not take, 4 for a KV slot past the cache (nothing written then).
+// attention does not take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when
+// most waits at the barriers ended asleep (another process had the cores), else 0.
 int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float* embeddings, float* out,
-                    int64_t threads) {
+                    int64_t threads, int64_t* loaded) {
     for (int64_t r = 0; r < s->batch; r++)
         if (s->positions[r] < 0 || s->positions[r] >= s->max_positions) return 2;
     for (int64_t r = 0; r < s->batch; r++)
@@ -233,6 +276,8 @@ int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float
     atomic_init(&t.started, 0);
     atomic_init(&t.barrier.arrived, 0);
     atomic_init(&t.barrier.generation, 0);
+    atomic_init(&t.barrier.sleepers, 0);
+    atomic_init(&t.barrier.slept, 0);
     for (int i = 1; i < wanted; i++) {
         members[i] = (Member){&t, i};
         if (pthread_create(&ids[i], NULL, run_member, &members[i]) != 0) break;
@@ -243,6 +288,8 @@ int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float
     members[0] = (Member){&t, 0};
     run_member(&members[0]);
     for (int i = 1; i < size; i++) pthread_join(ids[i], NULL);
+    const int64_t waits = (int64_t)atomic_load(&t.barrier.generation) * (size - 1);
+    *loaded = 2 * (int64_t)atomic_load(&t.barrier.slept) > waits && waits > 0;
     free(base);
     return 0;
 }
