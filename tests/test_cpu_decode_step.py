@@ -31,9 +31,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _int4_engine(checkpoint) -> Engine:
-    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=96), dtype="float32",
-                                                             weight_format="int4"))
+def _int4_engine(checkpoint, dtype: str = "float32") -> Engine:
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=96, dtype=dtype),
+                                                             dtype=dtype, weight_format="int4"))
     engine.keep_logits = True
     return engine
 
@@ -95,6 +95,30 @@ def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, thr
     for a, b in zip(one_call["logits"], eager["logits"]):
         assert torch.equal(a, b)
     assert torch.equal(one_call["kv"], eager["kv"])
+
+
+@pytest.mark.parametrize("batch,threads", [(1, 1), (4, 1), (3, 2)])
+def test_the_bf16_one_call_step_equals_the_eager_step_bit_for_bit(smollm2_bf16, batch, threads, monkeypatch):
+    """bf16 (a bf16 cache): steps of fewer than BF16_Q8_BELOW_ROWS sequences run in C, on the same
+    functions as the eager step's (the 4-bit projections on our kernel, SiLU in C)."""
+    prompts = [smollm2_bf16.tokenizer.encode("Tell me about the sea." + " And the ships." * (3 * i))
+               for i in range(batch)]
+    with torch_threads(threads):
+        one_call = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 12, monkeypatch, one_call=True)
+        eager = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 12, monkeypatch, one_call=False)
+    assert one_call["c_steps"] == 11 and eager["c_steps"] == 0
+    assert one_call["tokens"] == eager["tokens"]
+    for a, b in zip(one_call["hidden"], eager["hidden"]):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    for a, b in zip(one_call["logits"], eager["logits"]):
+        assert torch.equal(a, b)
+    assert torch.equal(one_call["kv"], eager["kv"])
+
+
+def test_a_bf16_step_of_five_sequences_runs_eagerly_on_torchs_kernel(smollm2_bf16, monkeypatch):
+    prompts = [smollm2_bf16.tokenizer.encode(f"Count to {i}.") for i in range(5)]
+    trace = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 3, monkeypatch, one_call=True)
+    assert trace["c_steps"] == 0
 
 
 def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypatch):

@@ -71,6 +71,34 @@ def test_int4_kernel_is_within_the_input_quantization_bound_of_the_dense_matmul(
     assert torch.allclose(y, _emulated(x, codes, scale, mins), rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] < 8], ids=str)
+def test_bf16_int4_kernel_is_the_fp32_kernel_on_the_widened_inputs_rounded_once(shape):
+    """bf16 rows in, bf16 out: exactly the fp32 kernel's sums (checked above against float64) on the
+    inputs widened, plus the bias, rounded once to bf16."""
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m + n)
+    codes, scale, mins = _random_int4(n, k, gen)
+    x, bias = torch.randn(m, k, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+    got = kernel.matmul_bf16(x, _nibbles(codes), scale, mins, bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, kernel.matmul(x.float(), _nibbles(codes), scale, mins, bias).bfloat16())
+    assert kernel.matmul_bf16(x.float(), _nibbles(codes), scale, mins) is None  # fp32 rows: `matmul`'s
+
+
+def test_bf16_int4_linear_runs_few_rows_on_the_kernel_and_more_on_torchs():
+    gen = torch.Generator().manual_seed(3)
+    codes = quantize_rtn(torch.randn(96, 576, generator=gen) * 0.05).for_dtype(torch.bfloat16)
+    linear = Int4Linear(codes)
+    x = torch.randn(kernel.BF16_Q8_BELOW_ROWS, 576, generator=gen).bfloat16()
+    few = x[:-1]
+    q8 = linear.q8
+    assert torch.equal(linear(few), kernel.matmul_bf16(few, q8.nibbles, q8.scale, q8.mins))
+    want = few.double() @ linear.dequantized().double().t()
+    bound = kernel.error_bound(few.float(), linear.codes_f32(), q8.scale).double()
+    assert ((linear(few).double() - want).abs() <= bound + 2 ** -8 * want.abs() + 1e-5).all()
+    assert torch.equal(linear(x), torch._weight_int4pack_mm_for_cpu(x, linear.packed, 32, linear.scales_and_zeros))
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_int8_kernel_matches_the_emulated_quantization_and_the_bound(shape):
     m, n, k = shape

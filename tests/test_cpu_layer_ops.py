@@ -177,4 +177,15 @@ def test_bf16_rows_get_the_same_bits_alone_and_in_a_batch():
     rotated = cpu_layer_ops.rope(q, positions, cos, sin)
     assert torch.equal(rotated, torch.cat([cpu_layer_ops.rope(q[i:i + 1], positions[i:i + 1], cos, sin)
                                            for i in range(9)]))
-    assert cpu_layer_ops.silu_and_mul(_randn(2, 64).bfloat16()) is None  # bf16 SiLU: torch's
+    assert cpu_layer_ops.silu_and_mul(_randn(5, 64).bfloat16()) is None  # bf16 SiLU of 5 rows on: torch's
+
+
+def test_bf16_silu_of_few_rows_is_torchs_within_one_ulp_and_alone_equals_batched():
+    gate_up = _randn(4, 2 * 1536, scale=4.0).bfloat16()
+    got = cpu_layer_ops.silu_and_mul(gate_up)
+    want = torch_ops.silu_and_mul_torch(gate_up)
+    assert got.dtype == torch.bfloat16
+    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got != want).float().mean() < 0.01  # rounded where torch rounds: one ulp apart, rarely
+    assert torch.equal(torch.cat([cpu_layer_ops.silu_and_mul(gate_up[i:i + 1]) for i in range(4)]), got)

@@ -170,6 +170,17 @@ def read_gguf_codes(path: Path, names: dict[str, str]) -> dict[str, Int4Codes]:
     return {n: int4_codes(c) for n, c in read_packed(path, names)[0].items() if c.bits == 4}
 
 
+@dataclass(frozen=True, slots=True)
+class Q8Form:
+    """A 4-bit weight as our C kernel reads it (runtime.kernels.cpu_int4_matmul, inputs quantized to
+    int8 per group): w[n, k] = q[n, k] * scale[n, k / 32] + mins[n, k / 32] (+ bias[n])."""
+
+    nibbles: torch.Tensor  # [N, K / 2] uint8: byte j holds code 2j (low nibble) and 2j + 1 (high)
+    scale: torch.Tensor  # [N, K / 32] fp32
+    mins: torch.Tensor  # [N, K / 32] fp32
+    bias: torch.Tensor | None  # [N] fp32
+
+
 class Int4Linear:
     """y = x @ W^T (+ b) with W as packed 4-bit codes; x in `dtype` (bf16 or fp16), any row count.
 
@@ -179,10 +190,15 @@ class Int4Linear:
     ours (two codes a byte) is kept to dequantize from. Two planes (8-bit codes) run as one kernel
     call on [x, x]: the kernel sums both planes' products in fp32. With a column permutation
     (`Int4Codes.perm`, act-order GPTQ) every call multiplies x[:, perm], one gather of the [M, K]
-    input, and `dequantized()` is the weight in that permuted column order."""
+    input, and `dequantized()` is the weight in that permuted column order.
+
+    `q8` (our C kernel's form, `Q8Form`) is kept for fp32 activations, which run on it, and for bf16
+    ones with one plane in order, whose steps of fewer than BF16_Q8_BELOW_ROWS rows run on it (its
+    bf16 entry point): a bf16 token's bits then depend on its step's row count, below 5, below 16
+    (torch's kernel) or not (dense), as they do by the dense threshold already."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -212,6 +228,15 @@ class Int4Linear:
         self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
+        few_rows = dtype == torch.bfloat16 and p == 1 and codes.perm is None and cpu_int4_matmul.available()
+        self.q8 = self._q8_form(codes) if ours or few_rows else None
+
+    def _q8_form(self, codes: Int4Codes) -> Q8Form:
+        nibbles = self.nibbles if self.nibbles is not None else codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4)
+        scale = self.scale.float().contiguous()  # the kernel's rounded values, as the other paths use
+        mins = self.mins if self.mins is not None else (self.zero.float() - 8 * scale).contiguous()
+        bias = None if self.bias is None else self.bias.float().contiguous()
+        return Q8Form(nibbles, scale, mins, bias)
 
     @classmethod
     def fused(cls, parts: Sequence[Int4Codes], bias: torch.Tensor | None = None) -> Int4Linear:
@@ -229,6 +254,10 @@ class Int4Linear:
             x = permute_columns(x, self.perm)
         if self.mins is not None:
             return self._fp32(x)
+        if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS and self.q8 is not None:
+            y = cpu_int4_matmul.matmul_bf16(x, self.q8.nibbles, self.q8.scale, self.q8.mins, self.q8.bias)
+            if y is not None:
+                return y
         if x.shape[0] >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
@@ -335,6 +364,9 @@ class Int4Linear:
     def nbytes(self) -> int:
         ts = [self.scales_and_zeros] + [t for t in (self.packed, self.nibbles, self.bias, self.dense, self.perm,
                                                     self.mins) if t is not None]
+        if self.q8 is not None and self.mins is None:  # bf16's own Q8 form (fp32's shares its tensors)
+            ts += [t for t in (self.q8.scale, self.q8.mins, self.q8.bias) if t is not None]
+            ts += [self.q8.nibbles] if self.nibbles is None else []
         return sum(t.numel() * t.element_size() for t in ts)
 
 

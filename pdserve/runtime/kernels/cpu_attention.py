@@ -70,7 +70,7 @@ _LAYER_OPS_ARGS = {
     "kv_write_rows": [_P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I],
 }
 # Their bf16 versions take the same arguments (bf16 rows, fp32 eps and RoPE tables).
-_LAYER_OPS_ARGS.update({f"{name}_bf16": _LAYER_OPS_ARGS[f"{name}_f32"] for name in ("add_rms_norm", "rope")})
+_LAYER_OPS_ARGS.update({f"{name}_bf16": _LAYER_OPS_ARGS[f"{name}_f32"] for name in ("add_rms_norm", "rope", "silu_mul")})
 
 
 def cache_dir() -> Path:
@@ -161,9 +161,10 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     for name, argtypes in _LAYER_OPS_ARGS.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name.startswith(("rope", "kv_write")) else None
-    lib.decode_step_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
-    lib.decode_step_f32.restype = ctypes.c_int
+    lib.decode_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+    lib.decode_step.restype = ctypes.c_int
     lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int
+    lib.int4_linear_bf16.argtypes, lib.int4_linear_bf16.restype = _INT4_LINEAR_ARGS, ctypes.c_int
     lib.int8_linear_f32.argtypes, lib.int8_linear_f32.restype = _INT8_LINEAR_ARGS, ctypes.c_int
     lib.int8_linear_bf16.argtypes, lib.int8_linear_bf16.restype = _INT8_LINEAR_ARGS, ctypes.c_int
     lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int

@@ -1,4 +1,4 @@
-"""A decode step of a 4-bit fp32 model in one C call on the CPU (kernels/cpu/decode_step.c).
+"""A decode step of a 4-bit model in one C call on the CPU (kernels/cpu/decode_step.c).
 
 The CPU's counterpart of CUDA graph replay: where a step holds only decode tokens (one generated
 token per sequence), every layer runs in C without returning to Python, through the very functions
@@ -8,8 +8,10 @@ splits each phase over them (projections by output rows, the rest by sequences),
 bit either. Where another process keeps a core busy the step's threads sleep at its barriers instead
 of waiting out the scheduler's time slices, and the plan then runs the next LOADED_STEPS steps on
 one thread (`StepThreads`). `DecodeStepPlan.of` returns None for a model it does not
-cover: a projection that is not 4-bit with fp32 activations on our kernel, a column permutation,
-tensor parallelism, shapes past the attention's buffers.
+cover: a projection that is not 4-bit on our kernel (`Int4Linear.q8`), a column permutation,
+tensor parallelism, shapes past the attention's buffers. fp32 models run every decode-only step of
+generated tokens here; bf16 ones (a bf16 cache) those of fewer than BF16_Q8_BELOW_ROWS sequences,
+whose projections the eager step also runs on our kernel (larger ones take torch's matmuls).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.kernels import cpu_attention
+from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # After a step whose threads mostly slept at its barriers (another process, such as the prefill
@@ -61,22 +64,23 @@ class _DecodeStep(ctypes.Structure):
                 ("intermediate", _I), ("num_layers", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
                 ("cache_blocks", _I), ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
-                ("context_lens", _P), ("final_norm", _P)]
+                ("context_lens", _P), ("final_norm", _P), ("bf16", _I)]
 
 
-def _int4_weights(linear) -> _Int4Weights | None:
-    """A projection as the C step reads it, or None where it is not on our fp32 4-bit kernel."""
+def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
+    """A projection as the C step reads it, or None where it is not on our 4-bit kernel in `dtype`."""
     from pdserve.quant.int4_cpu import Int4Linear  # noqa: PLC0415 (quant imports the runtime)
 
-    if not isinstance(linear, Int4Linear) or linear.mins is None or linear.perm is not None:
+    if not isinstance(linear, Int4Linear) or linear.q8 is None or linear.perm is not None or linear.dtype != dtype:
         return None
-    bias = 0 if linear.bias is None else linear.bias.data_ptr()
-    return _Int4Weights(linear.nibbles.data_ptr(), linear.scale.data_ptr(), linear.mins.data_ptr(), bias,
+    q8 = linear.q8
+    bias = 0 if q8.bias is None else q8.bias.data_ptr()
+    return _Int4Weights(q8.nibbles.data_ptr(), q8.scale.data_ptr(), q8.mins.data_ptr(), bias,
                         linear.out_features, linear.in_features)
 
 
-def _norm_ptr(weight: torch.Tensor) -> int | None:
-    ok = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+def _norm_ptr(weight: torch.Tensor, dtype: torch.dtype) -> int | None:
+    ok = weight.dtype == dtype and weight.device.type == "cpu" and weight.is_contiguous()
     return weight.data_ptr() if ok else None
 
 
@@ -87,6 +91,7 @@ class DecodeStepPlan:
     model: object  # the LlamaModel
     planned: tuple  # its DecoderLayers, held: the pointers point into their tensors
     layers: ctypes.Array
+    dtype: torch.dtype  # activations, norms and KV cache: fp32 or bf16
     threads: StepThreads = field(default_factory=StepThreads)
 
     @classmethod
@@ -97,17 +102,17 @@ class DecodeStepPlan:
         lib, c = cpu_attention.library(), model.config
         if not model.layers or not all(type(layer) is DecoderLayer for layer in model.layers):
             return None  # wrapped or replaced layers (a test's taps, another stage's): theirs to run
-        first = model.layers[0].ctx
+        first, dtype = model.layers[0].ctx, getattr(model.layers[0].qkv, "dtype", None)
         if (lib is None or first is None or first.all_reduce is not None or first.cos.dtype != torch.float32
                 or not first.cos.is_contiguous() or not first.sin.is_contiguous() or first.cos.device.type != "cpu"
                 or c.num_heads > cpu_attention.MAX_HEADS or c.head_dim > cpu_attention.MAX_HEAD_DIM
-                or _norm_ptr(model.final_norm) is None):
+                or dtype not in (torch.float32, torch.bfloat16) or _norm_ptr(model.final_norm, dtype) is None):
             return None
         d, width = c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         layers = (_LayerWeights * len(model.layers))()
         for i, layer in enumerate(model.layers):
-            weights = [_int4_weights(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            norms = [_norm_ptr(layer.input_norm), _norm_ptr(layer.post_norm)]
+            weights = [_int4_weights(p, dtype) for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            norms = [_norm_ptr(layer.input_norm, dtype), _norm_ptr(layer.post_norm, dtype)]
             if None in weights or None in norms or layer.index != i:  # i: its layer in the cache too
                 return None
             shapes = [(w.out_features, w.in_features) for w in weights]
@@ -115,16 +120,20 @@ class DecodeStepPlan:
             if shapes != [(width, d), (d, c.num_heads * c.head_dim), (2 * inter, d), (d, inter)]:
                 return None
             layers[i] = _LayerWeights(*norms, *weights)
-        return cls(model, tuple(model.layers), layers)
+        return cls(model, tuple(model.layers), layers, dtype)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
-        """Whether the step of `meta` runs here: decode tokens only, each one generated (not a prompt's
-        last token run as a decode), an fp32 cache, the layers it planned."""
-        return (not meta.prefills and meta.num_decode_tokens == hidden.shape[0] and meta.generated_rows is not None
-                and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and hidden.dtype == torch.float32
-                and len(self.model.layers) == len(self.planned)
-                and all(a is b for a, b in zip(self.model.layers, self.planned))  # none replaced since
-                and bool(meta.generated_rows.all()))
+        """Whether the step of `meta` runs here: decode tokens only, a cache and activations of the
+        plan's dtype, the layers it planned; in fp32 each token generated (a prompt's last token run as
+        a decode takes the dense matmul: `int4_cpu.token_kinds`), in bf16 fewer than BF16_Q8_BELOW_ROWS."""
+        if (meta.prefills or meta.num_decode_tokens != hidden.shape[0] or kv_cache.dtype != self.dtype
+                or hidden.dtype != self.dtype or not kv_cache.is_contiguous()
+                or len(self.model.layers) != len(self.planned)
+                or not all(a is b for a, b in zip(self.model.layers, self.planned))):  # none replaced since
+            return False
+        if self.dtype == torch.bfloat16:
+            return hidden.shape[0] < BF16_Q8_BELOW_ROWS
+        return meta.generated_rows is not None and bool(meta.generated_rows.all())
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             kv_cache: torch.Tensor) -> torch.Tensor:
@@ -140,9 +149,10 @@ class DecodeStepPlan:
                            model.layers[0].down.in_features, len(model.layers), c.rms_norm_eps, model.scale,
                            ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.shape[0], pos.data_ptr(), slots.data_ptr(),
                            kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
-                           tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr())
+                           tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
+                           int(self.dtype == torch.bfloat16))
         loaded = ctypes.c_int64(0)
-        err = cpu_attention.library().decode_step_f32(ctypes.byref(step), self.layers, hidden.data_ptr(),
+        err = cpu_attention.library().decode_step(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), self.threads.next(), ctypes.byref(loaded))
         self.threads.after(bool(loaded.value))
         if err == 1:

@@ -20,6 +20,11 @@ from pdserve.runtime.kernels import cpu_attention
 GROUP = 32
 # Output rows per thread at least (below it the pool's hand-off costs more than the rows).
 MIN_ROWS_PER_THREAD = 256
+# bf16 steps of fewer rows than this run their 4-bit projections on the C kernel (`matmul_bf16`),
+# their SiLU in C (cpu_layer_ops), and, decode-only, as one C call (cpu_decode_step): one stream's
+# step is then mostly its weights' reading instead of 30 layers x 15 calls from Python. Larger steps
+# take torch's int4 kernel (bf16 activations, exact) or the dense matmul.
+BF16_Q8_BELOW_ROWS = 5
 
 
 def available() -> bool:
@@ -46,6 +51,17 @@ def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: to
     return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32, weights)
 
 
+def matmul_bf16(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """As `matmul` for x [M, K] bf16 -> y [M, N] bf16: x widened (exactly), the same int8 sums, plus
+    bias [N] fp32, each output rounded once to bf16. None where it does not apply."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
+            and available()):
+        return None
+    weights = (nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), 0 if bias is None else bias.data_ptr())
+    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_bf16, weights, torch.bfloat16)
+
+
 def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] fp32 times w[n, k] = codes[n, k] * scale[n, k/32] -> y [M, N] fp32; codes [N, K] int8
     in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does not apply."""
@@ -55,14 +71,15 @@ def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
                              (codes.data_ptr(), scale.data_ptr()))
 
 
-def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...]) -> torch.Tensor:
-    """y [M, n] fp32 by the C `linear(x, m, k, x_stride, *weights, n0, n1, y, y_stride)` over the n
+def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [M, n] (`dtype`) by the C `linear(x, m, k, x_stride, *weights, n0, n1, y, y_stride)` over the n
     outputs, split across threads (the fp32 kernels' parts each quantize x themselves: one call a part,
     no tensors in between). The caller has checked that the kernel applies to x."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty((m, n), dtype=torch.float32)
+    y = torch.empty((m, n), dtype=dtype)
     head = (x.data_ptr(), m, k, x.stride(0), *weights)
 
     def rows(n0: int, n1: int) -> None:

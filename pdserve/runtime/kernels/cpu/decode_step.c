@@ -42,6 +42,18 @@ int paged_attention_f32_f32(const float* q, float* out, float* scores, float sca
                             int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad);
 int int4_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
                     const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride);
+void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, const uint16_t* weight,
+                       int64_t n, int64_t d, float eps, uint16_t* out, uint16_t* summed);
+int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
+              const float* cos, const float* sin, int64_t max_positions, uint16_t* out);
+void silu_mul_bf16(const uint16_t* gate_up, int64_t stride, int64_t n, int64_t inter, uint16_t* out);
+int paged_attention_bf16_bf16(const uint16_t* q, uint16_t* out, float* scores, float scale, const uint16_t* cache,
+                              const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
+                              int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                              int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad);
+int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                     const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
+                     int64_t y_stride);
 
 // One projection: w[n, k] = q[n, k] * scale[n, k / 32] + mins[n, k / 32] (+ bias[n]; NULL: none).
 typedef struct {
@@ -53,8 +65,8 @@ typedef struct {
 } Int4Weights;
 
 typedef struct {
-    const float* input_norm;  // [D]
-    const float* post_norm;   // [D]
+    const void* input_norm;  // [D], in the step's activation dtype
+    const void* post_norm;   // [D]
     Int4Weights qkv, o, gate_up, down;
 } LayerWeights;
 
@@ -66,36 +78,75 @@ typedef struct {
     int64_t max_positions;
     const int64_t* positions;  // [B]
     const int64_t* slots;      // [B]: block * block_size + offset of each token's KV
-    float* cache;
+    void* cache;               // in the activation dtype
     int64_t cache_blocks, cache_layers, block_size;
     const int64_t* block_tables;  // [B, max_blocks]
     int64_t max_blocks;
     const int64_t* context_lens;  // [B], this token included
-    const float* final_norm;      // [D]
+    const void* final_norm;       // [D]
+    int64_t bf16;                 // activations, norms and cache: 1 bf16, 0 fp32
 } DecodeStep;
 
-// Scratch of one step, one allocation.
+// Scratch of one step, one allocation: activations in the step's dtype (es bytes each), fp32 scores.
 typedef struct {
-    float *residual, *normed, *qkv, *q, *k, *attn, *o, *gate_up, *act, *down, *scores;
+    char *residual, *normed, *qkv, *q, *k, *attn, *o, *gate_up, *act, *down;
+    float* scores;
+    int64_t es;
 } Scratch;
 
-static float* scratch_alloc(const DecodeStep* s, Scratch* b) {
+#define AT(buf, i) ((buf) + (i) * b->es)  // element i of an activation buffer of Scratch b
+
+static char* scratch_alloc(const DecodeStep* s, Scratch* b) {
     const int64_t B = s->batch, D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads;
     const int64_t qkv = (H + 2 * KVH) * hd, t_pad = s->max_blocks * s->block_size;
-    const int64_t sizes[11] = {B * D, B * D, B * qkv, B * H * hd, B * KVH * hd, B * H * hd, B * D,
-                               B * 2 * s->intermediate, B * s->intermediate, B * D, B * H * t_pad};
+    const int64_t es = s->bf16 ? 2 : 4;
+    const int64_t sizes[11] = {B * D * es, B * D * es, B * qkv * es, B * H * hd * es, B * KVH * hd * es,
+                               B * H * hd * es, B * D * es, B * 2 * s->intermediate * es, B * s->intermediate * es,
+                               B * D * es, B * H * t_pad * 4};
     int64_t total = 0;
-    for (int i = 0; i < 11; i++) total += (sizes[i] + 15) / 16 * 16;  // each buffer 64-byte aligned
-    float* base = aligned_alloc(64, (size_t)total * sizeof(float));
+    for (int i = 0; i < 11; i++) total += (sizes[i] + 63) / 64 * 64;  // each buffer 64-byte aligned
+    char* base = aligned_alloc(64, (size_t)total);
     if (base == NULL) return NULL;
-    float** slots[11] = {&b->residual, &b->normed, &b->qkv, &b->q, &b->k, &b->attn, &b->o,
-                         &b->gate_up, &b->act, &b->down, &b->scores};
-    float* p = base;
-    for (int i = 0; i < 11; i++) {
+    char** slots[10] = {&b->residual, &b->normed, &b->qkv, &b->q, &b->k, &b->attn, &b->o,
+                        &b->gate_up, &b->act, &b->down};
+    char* p = base;
+    for (int i = 0; i < 10; i++) {
         *slots[i] = p;
-        p += (sizes[i] + 15) / 16 * 16;
+        p += (sizes[i] + 63) / 64 * 64;
     }
+    b->scores = (float*)p;
+    b->es = es;
     return base;
+}
+
+// The step's operations in its dtype: the eager step's C functions (cpu_layer_ops, cpu_attention,
+// cpu_int4_matmul), picked by s->bf16.
+static void norm_rows(const DecodeStep* s, const char* x, const char* residual, const void* weight, int64_t n,
+                      char* out, char* summed) {
+    if (s->bf16)
+        add_rms_norm_bf16((const uint16_t*)x, s->hidden, (const uint16_t*)residual, weight, n, s->hidden, s->eps,
+                          (uint16_t*)out, (uint16_t*)summed);
+    else
+        add_rms_norm_f32((const float*)x, s->hidden, (const float*)residual, weight, n, s->hidden, s->eps,
+                         (float*)out, (float*)summed);
+}
+
+static void rope_rows(const DecodeStep* s, const char* x, int64_t x_stride, int64_t n, int64_t heads,
+                      const int64_t* positions, char* out) {
+    if (s->bf16)
+        rope_bf16((const uint16_t*)x, x_stride, n, heads, s->head_dim, positions, s->cos, s->sin, s->max_positions,
+                  (uint16_t*)out);
+    else
+        rope_f32((const float*)x, x_stride, n, heads, s->head_dim, positions, s->cos, s->sin, s->max_positions,
+                 (float*)out);
+}
+
+static void silu_rows(const DecodeStep* s, const char* gate_up, int64_t n, char* out) {
+    const int64_t I = s->intermediate;
+    if (s->bf16)
+        silu_mul_bf16((const uint16_t*)gate_up, 2 * I, n, I, (uint16_t*)out);
+    else
+        silu_mul_f32((const float*)gate_up, 2 * I, n, I, (float*)out);
 }
 
 // A barrier of the step's threads: spun on (the others' part of a phase is microseconds away), then
@@ -155,8 +206,8 @@ static void barrier_wait(SpinBarrier* b) {
 typedef struct {
     const DecodeStep* s;
     const LayerWeights* layers;
-    const float* embeddings;
-    float* out;
+    const void* embeddings;
+    void* out;
     Scratch b;
     SpinBarrier barrier;
     atomic_int started;  // 0 until the team's size is known (threads that could not start are not in it)
@@ -174,12 +225,17 @@ static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, 
 }
 
 // A projection's output rows split over the team (aligned to the kernel's 2-row tiles).
-static void linear_part(const Int4Weights* w, const float* x, int64_t m, float* y, int id, int parts) {
+static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int id,
+                        int parts) {
     int64_t n0, n1;
     share(w->out_features, id, parts, 2, &n0, &n1);
-    if (n1 > n0)
-        int4_linear_f32(x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins, w->bias, n0, n1, y,
-                        w->out_features);
+    if (n1 <= n0) return;
+    if (s->bf16)
+        int4_linear_bf16((const uint16_t*)x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins,
+                         w->bias, n0, n1, (uint16_t*)y, w->out_features);
+    else
+        int4_linear_f32((const float*)x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins, w->bias,
+                        n0, n1, (float*)y, w->out_features);
 }
 
 // Layer l of member `id` of `parts`: its input is the previous layer's MLP output b->down and the
@@ -189,47 +245,49 @@ static void linear_part(const Int4Weights* w, const float* x, int64_t m, float* 
 static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b, int id, int parts,
                        SpinBarrier* bar) {
     const int64_t D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads, I = s->intermediate;
-    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd, t_pad = s->max_blocks * s->block_size;
+    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd, t_pad = s->max_blocks * s->block_size, es = b->es;
     const int64_t block_stride = s->cache_layers * 2 * s->block_size * row;  // cache elements
     int64_t r0, r1;
     share(s->batch, id, parts, 1, &r0, &r1);
     const int64_t n = r1 - r0;
     if (n && l == 0)
-        add_rms_norm_f32(b->residual + r0 * D, D, NULL, w->input_norm, n, D, s->eps, b->normed + r0 * D, NULL);
+        norm_rows(s, AT(b->residual, r0 * D), NULL, w->input_norm, n, AT(b->normed, r0 * D), NULL);
     else if (n)
-        add_rms_norm_f32(b->down + r0 * D, D, b->residual + r0 * D, w->input_norm, n, D, s->eps, b->normed + r0 * D,
-                         b->residual + r0 * D);
+        norm_rows(s, AT(b->down, r0 * D), AT(b->residual, r0 * D), w->input_norm, n, AT(b->normed, r0 * D),
+                  AT(b->residual, r0 * D));
     barrier_wait(bar);
-    linear_part(&w->qkv, b->normed, s->batch, b->qkv, id, parts);
+    linear_part(s, &w->qkv, b->normed, s->batch, b->qkv, id, parts);
     barrier_wait(bar);
     if (n) {  // positions checked before the step: RoPE cannot fail here
-        rope_f32(b->qkv + r0 * width, width, n, H, hd, s->positions + r0, s->cos, s->sin, s->max_positions,
-                 b->q + r0 * H * hd);
-        rope_f32(b->qkv + r0 * width + H * hd, width, n, KVH, hd, s->positions + r0, s->cos, s->sin,
-                 s->max_positions, b->k + r0 * row);
-        kv_write_rows((char*)s->cache, (const char*)(b->k + r0 * row), row * 4,
-                      (const char*)(b->qkv + r0 * width + (H + KVH) * hd), width * 4, s->slots + r0, n, row * 4,
-                      s->block_size, block_stride * 4, l * 2 * s->block_size * row * 4,
-                      s->cache_blocks * s->block_size);  // slots checked before the step
+        rope_rows(s, AT(b->qkv, r0 * width), width, n, H, s->positions + r0, AT(b->q, r0 * H * hd));
+        rope_rows(s, AT(b->qkv, r0 * width + H * hd), width, n, KVH, s->positions + r0, AT(b->k, r0 * row));
+        kv_write_rows((char*)s->cache, AT(b->k, r0 * row), row * es, AT(b->qkv, r0 * width + (H + KVH) * hd),
+                      width * es, s->slots + r0, n, row * es, s->block_size, block_stride * es,
+                      l * 2 * s->block_size * row * es, s->cache_blocks * s->block_size);  // slots checked before
     }
     barrier_wait(bar);
-    if (n)  // shapes checked before the step
-        paged_attention_f32_f32(b->q + r0 * H * hd, b->attn + r0 * H * hd, b->scores + r0 * H * t_pad, s->scale,
-                                s->cache, s->block_tables + r0 * s->max_blocks, s->context_lens + r0, n,
-                                s->max_blocks, H, KVH, hd, s->block_size, block_stride, l * 2 * s->block_size * row,
-                                (l * 2 + 1) * s->block_size * row, t_pad);
+    if (n && s->bf16)  // shapes checked before the step
+        paged_attention_bf16_bf16((const uint16_t*)AT(b->q, r0 * H * hd), (uint16_t*)AT(b->attn, r0 * H * hd),
+                                  b->scores + r0 * H * t_pad, s->scale, s->cache, s->block_tables + r0 * s->max_blocks,
+                                  s->context_lens + r0, n, s->max_blocks, H, KVH, hd, s->block_size, block_stride,
+                                  l * 2 * s->block_size * row, (l * 2 + 1) * s->block_size * row, t_pad);
+    else if (n)
+        paged_attention_f32_f32((const float*)AT(b->q, r0 * H * hd), (float*)AT(b->attn, r0 * H * hd),
+                                b->scores + r0 * H * t_pad, s->scale, s->cache, s->block_tables + r0 * s->max_blocks,
+                                s->context_lens + r0, n, s->max_blocks, H, KVH, hd, s->block_size, block_stride,
+                                l * 2 * s->block_size * row, (l * 2 + 1) * s->block_size * row, t_pad);
     barrier_wait(bar);
-    linear_part(&w->o, b->attn, s->batch, b->o, id, parts);
+    linear_part(s, &w->o, b->attn, s->batch, b->o, id, parts);
     barrier_wait(bar);
     if (n)
-        add_rms_norm_f32(b->o + r0 * D, D, b->residual + r0 * D, w->post_norm, n, D, s->eps, b->normed + r0 * D,
-                         b->residual + r0 * D);
+        norm_rows(s, AT(b->o, r0 * D), AT(b->residual, r0 * D), w->post_norm, n, AT(b->normed, r0 * D),
+                  AT(b->residual, r0 * D));
     barrier_wait(bar);
-    linear_part(&w->gate_up, b->normed, s->batch, b->gate_up, id, parts);
+    linear_part(s, &w->gate_up, b->normed, s->batch, b->gate_up, id, parts);
     barrier_wait(bar);
-    if (n) silu_mul_f32(b->gate_up + r0 * 2 * I, 2 * I, n, I, b->act + r0 * I);
+    if (n) silu_rows(s, AT(b->gate_up, r0 * 2 * I), n, AT(b->act, r0 * I));
     barrier_wait(bar);
-    linear_part(&w->down, b->act, s->batch, b->down, id, parts);
+    linear_part(s, &w->down, b->act, s->batch, b->down, id, parts);
     barrier_wait(bar);
 }
 
@@ -243,9 +301,10 @@ static void* run_member(void* arg) {
     for (int64_t l = 0; l < s->num_layers; l++) layer_step(s, &t->layers[l], l, &t->b, m->id, parts, &t->barrier);
     int64_t r0, r1;
     share(s->batch, m->id, parts, 1, &r0, &r1);
+    const Scratch* b = &t->b;
     if (r1 > r0)
-        add_rms_norm_f32(t->b.down + r0 * s->hidden, s->hidden, t->b.residual + r0 * s->hidden, s->final_norm,
-                         r1 - r0, s->hidden, s->eps, t->out + r0 * s->hidden, t->b.residual + r0 * s->hidden);
+        norm_rows(s, AT(b->down, r0 * s->hidden), AT(b->residual, r0 * s->hidden), s->final_norm, r1 - r0,
+                  AT((char*)t->out, r0 * s->hidden), AT(b->residual, r0 * s->hidden));
     return NULL;
 }
 
@@ -258,17 +317,17 @@ static void* run_member(void* arg) {
 // 1 where the scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the
 // attention does not take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when
 // most waits at the barriers ended asleep (another process had the cores), else 0.
-int decode_step_f32(const DecodeStep* s, const LayerWeights* layers, const float* embeddings, float* out,
-                    int64_t threads, int64_t* loaded) {
+int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* embeddings, void* out, int64_t threads,
+                int64_t* loaded) {
     for (int64_t r = 0; r < s->batch; r++)
         if (s->positions[r] < 0 || s->positions[r] >= s->max_positions) return 2;
     for (int64_t r = 0; r < s->batch; r++)
         if (s->slots[r] >= s->cache_blocks * s->block_size) return 4;
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
-    float* base = scratch_alloc(s, &t.b);
+    char* base = scratch_alloc(s, &t.b);
     if (base == NULL) return 1;
-    memcpy(t.b.residual, embeddings, (size_t)(s->batch * s->hidden) * sizeof(float));
+    memcpy(t.b.residual, embeddings, (size_t)(s->batch * s->hidden * t.b.es));
     const int wanted = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads;
     Member members[MAX_THREADS];
     pthread_t ids[MAX_THREADS];

@@ -314,3 +314,29 @@ int int8_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, cons
                     int64_t n0, int64_t n1, float* y, int64_t y_stride) {
     return linear_q8(x, m, k, x_stride, (const uint8_t*)codes, scale, NULL, NULL, n0, n1, y, y_stride, 8);
 }
+
+// bf16 rows in and out (the bf16 compute dtype's steps of few rows: pdserve.quant.int4_cpu): x
+// widened to fp32 (exact), the same quantized sums as int4_linear_f32, plus bias[n] (fp32, NULL:
+// none), each output rounded once to bf16 (nearest even). Returns 0, or -1 without scratch.
+int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                     const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
+                     int64_t y_stride) {
+    float* xf = malloc(sizeof(float) * (size_t)(m * k + m * n1));
+    if (xf == NULL) return -1;
+    float* yf = xf + m * k;  // [m, n1]: columns [n0, n1) written
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) {
+            const uint32_t u = (uint32_t)x[r * x_stride + i] << 16;
+            memcpy(xf + r * k + i, &u, sizeof(float));
+        }
+    const int err = linear_q8(xf, m, k, k, codes, scale, mins, bias, n0, n1, yf, n1, 4);
+    for (int64_t r = 0; r < m && !err; r++)
+        for (int64_t n = n0; n < n1; n++) {
+            uint32_t u;
+            memcpy(&u, yf + r * n1 + n, sizeof u);
+            y[r * y_stride + n] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((u >> 16) | 0x40)
+                                                                  : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        }
+    free(xf);
+    return err;
+}

@@ -242,6 +242,26 @@ void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* resi
     }
 }
 
+// As silu_mul_f32, in bf16 as torch's silu(gate) * up rounds: bf16(bf16(silu(g)) * u). The bf16
+// steps of few rows run it (cpu_layer_ops.SMALL_STEP_ROWS), eager and one-call alike; larger ones
+// take torch's, whose vectorized exp can differ from exp8 in the last fp32 bit.
+void silu_mul_bf16(const uint16_t* gate_up, int64_t stride, int64_t n, int64_t inter, uint16_t* out) {
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t* g = gate_up + r * stride;
+        const uint16_t* u = g + inter;
+        uint16_t* o = out + r * inter;
+#ifdef LAYER_OPS_AVX2
+        MAP8_BF16(inter, g, u, o,
+                  _mm256_mul_ps(rounded8(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                        exp8(_mm256_sub_ps(_mm256_setzero_ps(), a))))),
+                                b))
+#else
+        for (int64_t i = 0; i < inter; i++)
+            o[i] = bf16_round(f32_of(bf16_round(f32_of(g[i]) / (1.0f + exp1(-f32_of(g[i]))))) * f32_of(u[i]));
+#endif
+    }
+}
+
 // As rope_f32, in bf16 as torch_ops.apply_rope_torch computes it: cos and sin rounded to bf16, each
 // product rounded to bf16, then their difference (sum) rounded: bf16(bf16(x[i] c[i]) - bf16(x[i + h] s[i])),
 // which is torch's bf16(bf16(x[i] c[i]) + bf16(-x[i + h] s[i])) (rounding to nearest even is symmetric).
