@@ -62,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_THREADS", "0")),
                    help="torch CPU threads (0: torch's default)")
+    p.add_argument("--step-threads", type=int, default=int(os.environ.get("PDSERVE_STEP_THREADS", "0")),
+                   help="threads of the one-call C decode step (CPU decode steps of few sequences, or every "
+                        "decode step of a float32 int4 model); it runs on one for a while when another process "
+                        "has the cores (0: as --threads)")
     add_speculative_args(p)
 
 
@@ -115,6 +119,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=dtype,
         weight_format=getattr(args, "weight_format", "dense"),
         dense_copy=dense_copy(args, dtype),
+        step_threads=getattr(args, "step_threads", 0),
     )
 
 

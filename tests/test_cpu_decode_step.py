@@ -141,6 +141,13 @@ def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypa
     assert torch.equal(one_call["kv"], eager["kv"])
 
 
+def test_the_engines_step_threads_reach_the_plan(smollm2_bf16):
+    engine = Engine.from_checkpoint(smollm2_bf16, EngineConfig(cache=CacheConfig(num_blocks=16, dtype="bfloat16"),
+                                                               dtype="bfloat16", weight_format="int4", step_threads=3))
+    threads = engine.runner.model.one_call_decode_step().threads
+    assert threads.next() == 3
+
+
 def test_after_a_step_that_found_its_cores_taken_the_next_run_on_one_thread():
     threads = StepThreads()
     with torch_threads(2):

@@ -18,6 +18,7 @@ from pdserve.quant.checkpoint import write_gguf_tokenizer
 from pdserve.quant.gptq_cpu import int4_codes, layout_problem
 from pdserve.quant.gptq_format import QuantizedWeight
 from pdserve.quant.int4_cpu import Int4Linear, permute_columns, weights_for
+from pdserve.runtime.kernels import cpu_int4_matmul
 from pdserve.quant.linear import ConcatLinear, QuantLinear, fused_linear
 from pdserve.quant.quantizer import QuantResult, rtn_quantize
 from pdserve.quant.spec import QuantSpec
@@ -233,3 +234,14 @@ def test_inputs_not_a_multiple_of_32_stay_on_quant_linear_or_refuse_int4(stories
                                           r"outputs, not a multiple of 16: serve it with --weight-format auto or dense$"):
         weights_for(ck, EngineConfig(dtype="bfloat16", weight_format="int4"))
     assert weights_for(ck, EngineConfig(dtype="float32", weight_format="auto"))[1] == "dense"  # fp32: QuantLinear
+
+
+def test_fp32_int4_linear_of_gptq_codes_is_within_the_kernels_quantization_bound():
+    """fp32 runs our C kernel, which reads whole rows of code bytes: a GPTQ checkpoint's codes come
+    as a transposed view, and their packing must still be row-contiguous (it was not: garbage out)."""
+    w = gptq_weight(96, 256, 4, 32, True, False, seed=1)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    lin = Int4Linear(int4_codes(w, torch.float32))
+    got, want = lin(x).double(), x.double() @ reference(w).double().t()
+    bound = cpu_int4_matmul.error_bound(x, lin.codes_f32(), lin.scale).double()
+    assert ((got - want).abs() <= bound + 1e-5 * want.abs().max()).all()

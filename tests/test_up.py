@@ -81,6 +81,23 @@ def test_plan_commands_parse() -> None:
 
 
 
+def test_decode_workers_step_on_the_cores_they_share_with_the_prefill_worker(monkeypatch) -> None:
+    """torch threads: the cores divided among every worker process; the one-call decode step's: the
+    cores divided among the decode workers only (it drops to one thread when it finds them taken),
+    or --step-threads; and the decode worker's engine config carries it."""
+    from pdserve.engine_args import engine_config_from_args
+    from pdserve.runtime import compute_threads
+
+    monkeypatch.setattr(compute_threads, "default_threads", lambda: 4)
+    workers, _ = plan(build_parser().parse_args(["up", "--prefill", "1", "--decode", "2"]))
+    by_name = {w.name: build_parser().parse_args(list(w.command[3:])) for w in workers}
+    assert by_name["decode-1"].threads == 1 and by_name["decode-1"].step_threads == 2
+    assert engine_config_from_args(by_name["decode-1"]).step_threads == 2
+    assert by_name["prefill-0"].step_threads == 0  # it runs no decode steps
+    workers, _ = plan(build_parser().parse_args(["up", "--threads", "1", "--step-threads", "3"]))
+    assert build_parser().parse_args(list(workers[-1].command[3:])).step_threads == 3
+
+
 def test_plan_passes_each_kind_its_degree_and_the_drain() -> None:
     """--tensor-parallel-size reaches both kinds, --decode-tensor-parallel-size and --speculative-ngram
     only decode workers;

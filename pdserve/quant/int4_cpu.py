@@ -213,7 +213,8 @@ class Int4Linear:
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         block = kernel_block_rows()
         own = ours or block is None or n % block
-        self.nibbles = codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4) if own else None  # [N, P K / 2] uint8
+        # [N, P K / 2] uint8, contiguous: the C kernel reads whole rows (codes may come as a transposed view)
+        self.nibbles = _nibbles(codes.codes) if own else None
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
         self.zero = self.scales_and_zeros[..., 1].t()
         # [N, K / 32] fp32: w = q * scale + mins, the C kernel's form of (q - 8) * scale + zero.
@@ -232,7 +233,7 @@ class Int4Linear:
         self.q8 = self._q8_form(codes) if ours or few_rows else None
 
     def _q8_form(self, codes: Int4Codes) -> Q8Form:
-        nibbles = self.nibbles if self.nibbles is not None else codes.codes[:, 0::2] | (codes.codes[:, 1::2] << 4)
+        nibbles = self.nibbles if self.nibbles is not None else _nibbles(codes.codes)
         scale = self.scale.float().contiguous()  # the kernel's rounded values, as the other paths use
         mins = self.mins if self.mins is not None else (self.zero.float() - 8 * scale).contiguous()
         bias = None if self.bias is None else self.bias.float().contiguous()
@@ -368,6 +369,11 @@ class Int4Linear:
             ts += [t for t in (self.q8.scale, self.q8.mins, self.q8.bias) if t is not None]
             ts += [self.q8.nibbles] if self.nibbles is None else []
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> [N, K / 2] bytes, contiguous: byte j holds code 2j (low) and 2j + 1 (high)."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
 def permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

@@ -134,8 +134,15 @@ class EngineConfig:
     # chunks and, in bf16 / fp16, decode steps of DENSE_COPY_FROM_ROWS or more rows: faster at the
     # dense weights' memory. Resolved by engine_args.dense_copy (--dense-copy).
     dense_copy: bool = False
+    # Threads of the one-call C decode step (runtime.kernels.cpu_decode_step: decode steps of few
+    # sequences on the CPU); 0: the engine thread's torch count. `pdserve up` gives a decode worker
+    # the cores it shares with the prefill worker beside it: the step drops to one thread for a
+    # while when it finds them taken (StepThreads).
+    step_threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.step_threads < 0:
+            raise ConfigError(f"step_threads must be 0 (torch's count) or positive, got {self.step_threads}")
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"unknown weight format {self.weight_format!r} (one of {', '.join(WEIGHT_FORMATS)})")
         if self.weight_format in PACKED_WEIGHT_FORMATS and not self.device.startswith("cpu"):

@@ -139,7 +139,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager, self.pins)
         self.set_speculative(speculative or SpeculativeConfig())  # sets self.speculative
         self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
-        model = LlamaModel(model_config, weights, self.config.device)
+        model = LlamaModel(model_config, weights, self.config.device, step_threads=self.config.step_threads)
         if self.config.dense_copy:
             model.keep_dense_copies()
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)

@@ -176,10 +176,10 @@ class LlamaModel:
     """Stateless forward: the KV cache and the step's metadata are passed in."""
 
     def __init__(self, config: ModelConfig, weights: dict, device: str = "cpu",
-                 all_reduce: AllReduce | None = None) -> None:
+                 all_reduce: AllReduce | None = None, step_threads: int = 0) -> None:
         """weights: HF names -> tensors, or `QuantizedWeight`s for quantized projections. A
         tensor-parallel rank (pdserve.runtime.parallel) passes its shard's config and weights and
-        the group's `all_reduce`."""
+        the group's `all_reduce`. step_threads: the one-call C decode step's (0: torch's count)."""
         self.config = config
         self.kernels = get_kernels(device)
         arch = config.arch
@@ -190,6 +190,7 @@ class LlamaModel:
         ctx = layer_context(config, self.kernels, device, all_reduce)
         self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.step_threads = step_threads
         self._decode_step: DecodeStepPlan | None | object = _UNPLANNED
 
     def keep_dense_copies(self) -> None:

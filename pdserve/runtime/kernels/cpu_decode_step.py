@@ -33,17 +33,18 @@ LOADED_STEPS = 32
 
 
 class StepThreads:
-    """How many threads the next step runs on: the calling thread's torch count, or one for
-    LOADED_STEPS steps after a step that found its cores taken."""
+    """How many threads the next step runs on: `wanted` (0: the calling thread's torch count), or one
+    for LOADED_STEPS steps after a step that found its cores taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, wanted: int = 0) -> None:
+        self.wanted = wanted
         self.solo_steps = 0
 
     def next(self) -> int:
         if self.solo_steps:
             self.solo_steps -= 1
             return 1
-        return torch.get_num_threads()
+        return self.wanted or torch.get_num_threads()
 
     def after(self, loaded: bool) -> None:
         if loaded:
@@ -120,7 +121,7 @@ class DecodeStepPlan:
             if shapes != [(width, d), (d, c.num_heads * c.head_dim), (2 * inter, d), (d, inter)]:
                 return None
             layers[i] = _LayerWeights(*norms, *weights)
-        return cls(model, tuple(model.layers), layers, dtype)
+        return cls(model, tuple(model.layers), layers, dtype, StepThreads(getattr(model, "step_threads", 0)))
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether the step of `meta` runs here: decode tokens only, a cache and activations of the
