@@ -58,7 +58,9 @@ def test_packed_matmul_equals_the_dense_matmul_of_the_dequantized_weight(rows):
     # bf16 output and bf16 scales: within a few bf16 ulps of the largest output
     assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
     assert torch.equal(fused(x)[:, :96], Int4Linear(q, bias[:96])(x))  # fused = separate, bit for bit
-    assert fused.nbytes < 0.7 * 128 * 64 * 2  # two packings of 4-bit codes: about half the bf16 matrix
+    # torch's packing with bf16 scales and zeros, and our kernel's (Q8Form, for steps of few rows) with
+    # fp32 scales and mins: 1.375 bytes a weight against bf16's 2 (and the biases)
+    assert fused.nbytes < 0.75 * 128 * 64 * 2
 
 
 def test_both_paths_dequantize_to_the_same_weight():
