@@ -204,13 +204,37 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
              engine.weight_format, engine.kv_format.kv_dtype, engine.config.cache.num_blocks,
              engine.kv_format.block_size)
     aengine = AsyncEngine(engine, batch_window_s=config.batch_window_s,
-                          max_streams=args.max_waiting + args.max_batch_size, threads=threads).start()
+                          max_streams=args.max_waiting + args.max_batch_size, threads=threads,
+                          cores=_core_share_side(args, config, engine, threads)).start()
     if config.engine_fault_after_steps:
         aengine.inject_fault_for_tests(config.engine_fault_after_steps)
     worker_id = config.worker_id or f"{socket.gethostname()}:{config.bind.rsplit(':', 1)[-1]}"
     kv = KVStoreClient(config.kvstore, timeout_s=KVSTORE_TIMEOUT_S)
     return Worker(worker_id, aengine, kv, engine.kv_format, TransferCounters(), mac_key=config.kv_mac_key,
                   config=config)
+
+
+def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, threads: int):
+    """This worker's side of the host's core share (--core-share), or None: a prefill worker holds
+    its slot while it computes; a decode worker widens to --wide-threads while no prefill worker
+    does, narrowing between layers as soon as one starts."""
+    from pdserve.runtime import compute_threads
+    from pdserve.runtime.core_share import CoreShare, DecodeCores, PrefillCores
+
+    if not config.core_share:
+        return None
+    try:
+        share = CoreShare(config.core_share)
+    except OSError as err:  # an optimization: the worker keeps to --threads without it
+        log.warning("core share %s unavailable (%s): keeping to --threads %d", config.core_share, err, threads)
+        return None
+    if getattr(args, "worker_role", "") == "prefill":
+        return PrefillCores(share, config.core_share_slot)
+    cores = DecodeCores(share, max(config.wide_threads, threads), threads, compute_threads.thread_setter())
+    engine.runner.model.between_layers = cores.between_layers
+    log.info("core share %s: %d threads while no prefill worker computes, %d otherwise", config.core_share,
+             cores.wide, cores.narrow)
+    return cores
 
 
 def warn_if_unsigned(mac_key: bytes) -> None:

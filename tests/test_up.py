@@ -81,21 +81,23 @@ def test_plan_commands_parse() -> None:
 
 
 
-def test_decode_workers_step_on_the_cores_they_share_with_the_prefill_worker(monkeypatch) -> None:
-    """torch threads: the cores divided among every worker process; the one-call decode step's: the
-    cores divided among the decode workers only (it drops to one thread when it finds them taken),
-    or --step-threads; and the decode worker's engine config carries it."""
-    from pdserve.engine_args import engine_config_from_args
+def test_workers_of_one_up_share_the_hosts_cores(monkeypatch, tmp_path) -> None:
+    """torch threads: the cores divided among every worker process; a decode worker's while no prefill
+    worker computes: the cores divided among the decode workers only. Every worker gets the run
+    directory's core share file, each prefill worker a slot of its own."""
     from pdserve.runtime import compute_threads
+    from pdserve.worker_config import WorkerConfig
 
     monkeypatch.setattr(compute_threads, "default_threads", lambda: 4)
-    workers, _ = plan(build_parser().parse_args(["up", "--prefill", "1", "--decode", "2"]))
+    workers, _ = plan(build_parser().parse_args(["up", "--prefill", "2", "--decode", "2", "--run-dir", str(tmp_path)]))
     by_name = {w.name: build_parser().parse_args(list(w.command[3:])) for w in workers}
-    assert by_name["decode-1"].threads == 1 and by_name["decode-1"].step_threads == 2
-    assert engine_config_from_args(by_name["decode-1"]).step_threads == 2
-    assert by_name["prefill-0"].step_threads == 0  # it runs no decode steps
-    workers, _ = plan(build_parser().parse_args(["up", "--threads", "1", "--step-threads", "3"]))
-    assert build_parser().parse_args(list(workers[-1].command[3:])).step_threads == 3
+    decode, prefill = WorkerConfig.from_args(by_name["decode-1"], {}), WorkerConfig.from_args(by_name["prefill-1"], {})
+    assert by_name["decode-1"].threads == 1 and decode.wide_threads == 2 and by_name["decode-1"].step_threads == 0
+    assert decode.core_share == prefill.core_share == str(tmp_path / "cores")
+    assert prefill.core_share_slot == 1
+    workers, _ = plan(build_parser().parse_args(["up", "--threads", "5", "--step-threads", "3"]))
+    decode = build_parser().parse_args(list(workers[-1].command[3:]))
+    assert (WorkerConfig.from_args(decode, {}).wide_threads, decode.step_threads) == (5, 3)  # never below --threads
 
 
 def test_plan_passes_each_kind_its_degree_and_the_drain() -> None:

@@ -89,9 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads per worker process (0: the cores divided among the worker processes)")
     p.add_argument("--step-threads", type=int, default=0,
-                   help="threads of each decode worker's one-call C decode step (steps of few sequences), which "
-                        "runs on one for a while when the prefill worker has the cores (0: the cores divided among "
-                        "the decode workers)")
+                   help="threads of each decode worker's one-call C decode step (steps of few sequences; 0: the "
+                        "worker's torch threads of the moment, which the host's core share sets)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="ranks (processes) of each prefill and decode worker (docs/parallelism.md)")
     p.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
@@ -194,11 +193,12 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     workers = [ChildSpec("kvstore", kv, pdserve_command(
         "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb),
         "--kv-backend", args.kv_backend))]
+    cores = str(_run_directory(args) / "cores")  # the host's core share (pdserve.runtime.core_share)
     for kind, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             addr = f"{loopback}:{free_port(avoid=gateway_ports)}"
-            extra = _decode_flags(args) if kind == "decode" else ()
-            extra += _parallel_flags(args, kind)
+            extra = _decode_flags(args) if kind == "decode" else ("--core-share-slot", str(i))
+            extra += ("--core-share", cores, *_parallel_flags(args, kind))
             workers.append(ChildSpec(f"{kind}-{i}", addr, pdserve_command(
                 kind, "--bind", addr, "--kvstore", kv, *engine, *extra), env=drain_env))
     gw = f"{args.host}:{args.grpc_port}"
@@ -257,24 +257,25 @@ def cluster_secret_env(environ: Mapping[str, str], internal_token: bool = True) 
 
 
 def _decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """What only decode workers take: the batch size, speculative decoding, and the one-call step's threads."""
+    """What only decode workers take: the batch size, speculative decoding, and their threads while
+    no prefill worker computes (with --step-threads, the one-call decode step's)."""
     return ("--max-batch-size", str(args.max_batch_size), "--speculative-ngram", str(args.speculative_ngram),
-            "--speculative-max-batch", str(args.speculative_max_batch),
-            "--step-threads", str(args.step_threads or step_threads(args)))
+            "--speculative-max-batch", str(args.speculative_max_batch), "--wide-threads", str(wide_threads(args)),
+            "--step-threads", str(args.step_threads))
 
 
-def step_threads(args: argparse.Namespace, cores: int | None = None) -> int:
-    """The one-call decode step's threads of each decode worker when --step-threads is 0: this host's cores
-    divided among the decode processes only. Its steps are those of few sequences, mostly while the
-    prefill worker idles (one stream: 9.3 ms a SmolLM2 step on one thread, 7.8 on two); when the
-    prefill worker computes, the step finds its cores taken and runs on one thread for a while
-    (cpu_decode_step.StepThreads), instead of the many-fold slowdown of two workers' OpenMP teams."""
+def wide_threads(args: argparse.Namespace, cores: int | None = None) -> int:
+    """A decode worker's torch threads while no prefill worker of the host computes: the host's cores
+    divided among the decode processes only (each keeps to its --threads share while a prefill
+    worker computes: pdserve.runtime.core_share). With SmolLM2 on two cores the prefill worker idles
+    about three quarters of a 32-stream run (9 of 40 s) while the decode worker computed 35."""
     from pdserve.runtime.compute_threads import default_threads
 
     degree = 1
     for split in ("tensor", "pipeline"):
         degree *= getattr(args, f"decode_{split}_parallel_size") or getattr(args, f"{split}_parallel_size")
-    return max(1, (cores or default_threads()) // max(args.decode * degree, 1))
+    narrow = args.threads or worker_threads(args)
+    return max(narrow, (cores or default_threads()) // max(args.decode * degree, 1))
 
 
 def worker_threads(args: argparse.Namespace, cores: int | None = None) -> int:
@@ -379,6 +380,13 @@ def run(args: argparse.Namespace) -> int:
             scaler.close()  # after the gateway: it would log its list files' going
 
 
+def _run_directory(args: argparse.Namespace) -> Path:
+    """Where this `up` keeps its control socket, list files and core share."""
+    from pdserve import control
+
+    return Path(args.run_dir).resolve() if args.run_dir else control.run_dir(args.grpc_port)
+
+
 def _scaler(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec],
             gateway: ChildSpec) -> tuple[Scaler, ChildSpec]:
     """The control socket and the membership of a running `up`; without --config the gateway
@@ -386,7 +394,7 @@ def _scaler(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec],
     from pdserve import control
     from pdserve.membership import gateway_on_list_files
 
-    directory = Path(args.run_dir).resolve() if args.run_dir else control.run_dir(args.grpc_port)
+    directory = _run_directory(args)
     server = control.ControlServer(directory, answer_timeout_s=args.startup_timeout + 4 * args.grace_period)
     refusal = "this pdserve up runs the deployments of --config, which keep their workers" if args.config else ""
     scaler = Scaler(sup, workers, directory, server, args.startup_timeout, args.max_workers, refusal)

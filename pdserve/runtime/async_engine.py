@@ -64,7 +64,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -73,6 +73,9 @@ from pdserve.runtime import compute_threads, engine_metrics
 from pdserve.runtime.engine import AddRequest, Engine, EngineLoad, QueueFullError, RequestError, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.runtime.pins import Owner
+
+if TYPE_CHECKING:
+    from pdserve.runtime.core_share import DecodeCores, PrefillCores
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,12 +89,14 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine, batch_window_s: float = 0.002, max_streams: int | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, cores: PrefillCores | DecodeCores | None = None) -> None:
         """threads: torch CPU threads the engine thread claims for itself (a worker process, whose
         other threads run torch single-threaded: pdserve.runtime.compute_threads); None leaves
-        the process's count."""
+        the process's count. cores: this worker's side of the host's core share
+        (pdserve.runtime.core_share), told before each step and when the engine idles."""
         self.engine = engine
         self.threads = threads
+        self.cores = cores
         self.batch_window_s = batch_window_s
         self.max_streams = max_streams  # None: only the engine's waiting queue bounds requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -305,6 +310,8 @@ class AsyncEngine:
         while not self._stopping:
             was_idle = not self.engine.has_unfinished()
             if was_idle:
+                if self.cores is not None:
+                    self.cores.idle()
                 self._wake.wait(timeout=0.5)
                 if self.batch_window_s and not self._commands.empty():
                     time.sleep(self.batch_window_s)  # let requests that arrive together batch
@@ -339,6 +346,8 @@ class AsyncEngine:
         start = time.perf_counter()
         try:
             self._maybe_inject_fault()
+            if self.cores is not None:
+                self.cores.before_step()
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a bug must fail requests, not hang them
             log.exception("engine step failed; aborting its requests")

@@ -70,3 +70,16 @@ def run_claimed(threads: int, fn: Callable[..., T], *args: object) -> T:
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["result"]  # type: ignore[return-value]
+
+
+def thread_setter() -> Callable[[int], None]:
+    """A function that sets the calling thread's OpenMP thread count, quickly: the OpenMP libraries
+    are found once, here (`claim` finds them on every call, about 0.2 ms)."""
+    from threadpoolctl import ThreadpoolController
+
+    libraries = ThreadpoolController().select(user_api="openmp").lib_controllers
+
+    def set_threads(threads: int) -> None:
+        for library in libraries:
+            library.set_num_threads(threads)
+    return set_threads

@@ -191,6 +191,9 @@ class LlamaModel:
         self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.step_threads = step_threads
+        # Called on the engine thread after each layer of an eager step (runtime.core_share: a decode
+        # worker gives a core back to a prefill worker that started computing); None: nothing.
+        self.between_layers: Callable[[], None] | None = None
         self._decode_step: DecodeStepPlan | None | object = _UNPLANNED
 
     def keep_dense_copies(self) -> None:
@@ -213,6 +216,8 @@ class LlamaModel:
         with token_kinds(kinds):  # fp32 int4: generated tokens on the kernel, prompt tokens dense
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, positions, attend)
+                if self.between_layers is not None:
+                    self.between_layers()
         hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
 

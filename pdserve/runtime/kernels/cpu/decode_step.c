@@ -1,6 +1,7 @@
-// A whole decode step of a Llama-family model with 4-bit weights and fp32 activations, in one call
-// (CPU; pdserve.runtime.kernels.cpu_decode_step): every layer's norms, projections, RoPE, KV write
-// and paged attention, then the final norm. The CPU's counterpart of replaying a captured CUDA graph.
+// A whole decode step of a Llama-family model with 4-bit weights and fp32 or bf16 activations, in one
+// call (CPU; pdserve.runtime.kernels.cpu_decode_step): every layer's norms, projections, RoPE, KV
+// write and paged attention, then the final norm. The CPU's counterpart of replaying a captured CUDA
+// graph.
 //
 // Why: a one-stream SmolLM2 step is 30 layers x some 15 calls from Python, and on the CPUs we serve
 // on each call costs 5-20 us of dispatch before its arithmetic; the step's matmuls read 119 MB in
@@ -12,7 +13,8 @@
 // rows, row operations and attention by sequences), a barrier between phases.
 //
 // Shapes: B sequences, one token each; D hidden, H query heads, KVH kv heads, hd head dim, I the
-// MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] fp32, contiguous.
+// MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] in the activations' dtype
+// (fp32, or bf16 where DecodeStep.bf16), contiguous.
 #define _GNU_SOURCE  // syscall (the barrier's futex) and clock_gettime under -std=c11
 #include <pthread.h>
 #include <sched.h>
