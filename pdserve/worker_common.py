@@ -231,7 +231,13 @@ def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, thr
     if getattr(args, "worker_role", "") == "prefill":
         return PrefillCores(share, config.core_share_slot)
     cores = DecodeCores(share, max(config.wide_threads, threads), threads, compute_threads.thread_setter())
-    engine.runner.model.between_layers = cores.between_layers
+    model = engine.runner.model
+    model.between_layers = cores.between_layers
+    if not args.step_threads:  # the one-call C step takes the share's count of the moment
+        model.step_threads = lambda: cores.budget
+        plan = model.one_call_decode_step()
+        if plan is not None:
+            plan.threads.wanted = model.step_threads
     log.info("core share %s: %d threads while no prefill worker computes, %d otherwise", config.core_share,
              cores.wide, cores.narrow)
     return cores

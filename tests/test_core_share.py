@@ -56,19 +56,26 @@ def test_a_claim_lapses_after_hold_s_and_a_time_from_before_a_reboot_is_ignored(
 
 
 def test_decode_widens_while_no_prefill_computes_and_narrows_between_layers_when_one_starts(tmp_path):
+    """A step starts with OpenMP narrow and its budget wide (a one-call C step takes the budget);
+    an eager step's layers widen OpenMP, and a prefill claim narrows both from the next layer."""
     share, calls = CoreShare(tmp_path / "cores"), []
     cores = DecodeCores(share, wide=2, narrow=1, set_threads=calls.append)
     cores.before_step()
+    assert (cores.budget, cores.threads, calls) == (2, 1, [])  # as a C step would run it
+    cores.between_layers()
     cores.between_layers()
     assert (cores.threads, calls) == (2, [2])
     share.hold(0)  # a prompt arrives mid-step
     cores.between_layers()
     cores.between_layers()
+    assert (cores.budget, cores.threads, calls) == (1, 1, [2, 1])  # one switch, not one a layer
     cores.before_step()
-    assert (cores.threads, calls) == (1, [2, 1])  # one switch each way, not one a layer
+    cores.between_layers()
+    assert (cores.budget, calls) == (1, [2, 1])
     share.release(0)
     cores.before_step()
-    assert (cores.threads, calls, cores.switches) == (2, [2, 1, 2], 3)
+    cores.between_layers()
+    assert (cores.budget, cores.threads, calls, cores.switches) == (2, 2, [2, 1, 2], 3)
     with pytest.raises(ValueError):
         DecodeCores(share, wide=1, narrow=2, set_threads=calls.append)
 

@@ -157,6 +157,11 @@ def test_after_a_step_that_found_its_cores_taken_the_next_run_on_one_thread():
         threads.after(loaded=True)
         assert [threads.next() for _ in range(LOADED_STEPS)] == [1] * LOADED_STEPS
         assert threads.next() == 2
+    budget = [3]
+    shared = StepThreads(lambda: budget[0])  # the host's core share: its count of the moment
+    assert shared.next() == 3
+    budget[0] = 1
+    assert shared.next() == 1
 
 
 def test_a_decode_row_of_a_prompt_token_runs_eagerly(int4_engine, smollm2):

@@ -11,7 +11,7 @@ computing (refreshed before each of its steps, cleared when it idles; a worker t
 forgotten HOLD_S later). A decode worker steps on its `wide` thread count while no prefill worker
 is computing, and on its `narrow` share otherwise, checked before each step and between the layers
 of a step (`between_layers`), so that a prompt arriving mid-step waits at most about a layer for
-its core. A float's bytes are written in one aligned store: readers see the old time or the new.
+its core (a one-call C step, a few milliseconds long, keeps the count it started with). A float's bytes are written in one aligned store: readers see the old time or the new.
 """
 
 from __future__ import annotations
@@ -74,23 +74,31 @@ class PrefillCores:
 
 
 class DecodeCores:
-    """A decode engine's side: its engine thread's torch threads, `wide` while no prefill worker
-    computes, else `narrow`. `set_threads(n)` sets the calling (engine) thread's count."""
+    """A decode engine's side: the threads of its steps, `wide` while no prefill worker computes, else
+    `narrow`. `budget` is the step's count: a one-call C decode step takes it for its own threads
+    (cpu_decode_step.StepThreads); OpenMP's team (torch's ops) widens to it after an eager step's
+    first layer (`between_layers`) and is narrow at every step's start, because the idle members of
+    a wide team spin for a while after each parallel region, beside a C step's threads on the same
+    cores (one stream: 8.8 ms a token against 7.3). `set_threads(n)` sets the calling (engine)
+    thread's OpenMP count."""
 
     def __init__(self, share: CoreShare, wide: int, narrow: int, set_threads: Callable[[int], None]) -> None:
         if not 1 <= narrow <= wide:
             raise ValueError(f"decode threads need 1 <= narrow ({narrow}) <= wide ({wide})")
         self.share, self.wide, self.narrow = share, wide, narrow
         self._set_threads = set_threads
+        self.budget = narrow
         self.threads = narrow  # what the engine thread has claimed (the worker claims `narrow` first)
         self.switches = 0
 
     def before_step(self) -> None:
-        self._use(self.narrow if self.share.prefill_busy() else self.wide)
+        self.budget = self.narrow if self.share.prefill_busy() else self.wide
+        self._use(self.narrow)
 
     def between_layers(self) -> None:
-        if self.threads != self.narrow and self.share.prefill_busy():
-            self._use(self.narrow)
+        if self.budget != self.narrow and self.share.prefill_busy():
+            self.budget = self.narrow
+        self._use(self.budget)
 
     def idle(self) -> None:
         pass

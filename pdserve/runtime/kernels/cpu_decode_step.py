@@ -17,6 +17,7 @@ whose projections the eager step also runs on our kernel (larger ones take torch
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,10 +34,11 @@ LOADED_STEPS = 32
 
 
 class StepThreads:
-    """How many threads the next step runs on: `wanted` (0: the calling thread's torch count), or one
-    for LOADED_STEPS steps after a step that found its cores taken."""
+    """How many threads the next step runs on: `wanted` (a count, or a function giving the count of
+    the moment: the host's core share; 0: the calling thread's torch count), or one for LOADED_STEPS
+    steps after a step that found its cores taken."""
 
-    def __init__(self, wanted: int = 0) -> None:
+    def __init__(self, wanted: int | Callable[[], int] = 0) -> None:
         self.wanted = wanted
         self.solo_steps = 0
 
@@ -44,7 +46,8 @@ class StepThreads:
         if self.solo_steps:
             self.solo_steps -= 1
             return 1
-        return self.wanted or torch.get_num_threads()
+        wanted = self.wanted() if callable(self.wanted) else self.wanted
+        return wanted or torch.get_num_threads()
 
     def after(self, loaded: bool) -> None:
         if loaded:
