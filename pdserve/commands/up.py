@@ -193,7 +193,7 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     workers = [ChildSpec("kvstore", kv, pdserve_command(
         "kvstore", "--bind", kv, "--capacity-mb", str(args.kvstore_capacity_mb),
         "--kv-backend", args.kv_backend))]
-    cores = str(_run_directory(args) / "cores")  # the host's core share (pdserve.runtime.core_share)
+    cores = str(core_share_file(args))
     for kind, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             addr = f"{loopback}:{free_port(avoid=gateway_ports)}"
@@ -377,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             sup.stop_all()
         finally:
+            core_share_file(args).unlink(missing_ok=True)  # the workers that mapped it are gone
             scaler.close()  # after the gateway: it would log its list files' going
 
 
@@ -385,6 +386,11 @@ def _run_directory(args: argparse.Namespace) -> Path:
     from pdserve import control
 
     return Path(args.run_dir).resolve() if args.run_dir else control.run_dir(args.grpc_port)
+
+
+def core_share_file(args: argparse.Namespace) -> Path:
+    """The file the workers of this `up` share the host's cores through (pdserve.runtime.core_share)."""
+    return _run_directory(args) / "cores"
 
 
 def _scaler(args: argparse.Namespace, sup: Supervisor, workers: list[ChildSpec],
