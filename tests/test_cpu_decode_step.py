@@ -97,7 +97,7 @@ def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, thr
     assert torch.equal(one_call["kv"], eager["kv"])
 
 
-@pytest.mark.parametrize("batch,threads", [(1, 1), (4, 1), (3, 2)])
+@pytest.mark.parametrize("batch,threads", [(4, 1), (3, 2)])  # on 2 threads one thread has a single row
 def test_the_bf16_one_call_step_equals_the_eager_step_bit_for_bit(smollm2_bf16, batch, threads, monkeypatch):
     """bf16 (a bf16 cache): steps of fewer than BF16_Q8_BELOW_ROWS sequences run in C, on the same
     functions as the eager step's (the 4-bit projections on our kernel, SiLU in C)."""
@@ -129,12 +129,12 @@ def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypa
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         with torch_threads(2):
-            one_call = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=True)
-            eager = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=False)
+            one_call = _decode_trace(_int4_engine(smollm2), prompts, 8, monkeypatch, one_call=True)
+            eager = _decode_trace(_int4_engine(smollm2), prompts, 8, monkeypatch, one_call=False)
     finally:
         hog.kill()
         hog.wait()
-    assert one_call["c_steps"] == 11
+    assert one_call["c_steps"] == 7
     assert one_call["tokens"] == eager["tokens"]
     for a, b in zip(one_call["logits"], eager["logits"]):
         assert torch.equal(a, b)

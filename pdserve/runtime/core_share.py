@@ -11,7 +11,11 @@ computing (refreshed before each of its steps, cleared when it idles; a worker t
 forgotten HOLD_S later). A decode worker steps on its `wide` thread count while no prefill worker
 is computing, and on its `narrow` share otherwise, checked before each step and between the layers
 of a step (`between_layers`), so that a prompt arriving mid-step waits at most about a layer for
-its core (a one-call C step, a few milliseconds long, keeps the count it started with). A float's bytes are written in one aligned store: readers see the old time or the new.
+its core (a one-call C step, a few milliseconds long, keeps the count it started with). Each time is
+one aligned 8-byte store: a reader sees the old time or the new one.
+
+Workers that `pdserve scale` adds copy their kind's first command, so added prefill workers share
+slot 0: one's release may widen the decode worker while another computes, until its next step.
 """
 
 from __future__ import annotations
@@ -53,9 +57,6 @@ class CoreShare:
         is not one a live worker wrote (a file left from before a reboot): ignored."""
         now = time.monotonic()
         return any(now < until <= now + HOLD_S for (until,) in _SLOT.iter_unpack(self._map))
-
-    def close(self) -> None:
-        self._map.close()
 
 
 class PrefillCores:

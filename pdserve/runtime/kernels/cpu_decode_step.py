@@ -3,8 +3,8 @@
 The CPU's counterpart of CUDA graph replay: where a step holds only decode tokens (one generated
 token per sequence), every layer runs in C without returning to Python, through the very functions
 the eager step calls one at a time, in the same order, so both steps give the same bits. It runs on
-torch's thread count for the calling thread: the C side starts the extra threads for the step and
-splits each phase over them (projections by output rows, the rest by sequences), which changes no
+`StepThreads`' count (--step-threads, the host's core share, else torch's for the calling thread):
+the C side starts the extra threads for the step and splits each phase over them (projections by output rows, the rest by sequences), which changes no
 bit either. Where another process keeps a core busy the step's threads sleep at its barriers instead
 of waiting out the scheduler's time slices, and the plan then runs the next LOADED_STEPS steps on
 one thread (`StepThreads`). `DecodeStepPlan.of` returns None for a model it does not
