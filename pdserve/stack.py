@@ -16,7 +16,8 @@ from pathlib import Path
 import grpc
 
 from pdserve.cli import build_parser
-from pdserve.commands.up import plan
+from pdserve.commands.up import core_share_file, plan
+from pdserve.control import make_private_dir
 from pdserve.ports import free_port
 from pdserve.supervisor import Child, ChildSpec, Supervisor
 from pdserve.v1 import gateway_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -83,6 +84,12 @@ class Stack:
 
     def stop(self) -> None:
         self.supervisor.stop_all()
+        share = core_share_file(self.args)
+        share.unlink(missing_ok=True)
+        try:
+            share.parent.rmdir()
+        except OSError:
+            pass  # not empty: a control socket or list files of their own
 
 
 def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str, str] | None = None,
@@ -113,6 +120,7 @@ def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str
 def start_planned(workers: list[ChildSpec], gateway: ChildSpec, args: argparse.Namespace) -> Stack:
     """Start planned children (`up.plan`'s, maybe changed): the workers, once they serve the
     gateway, once it serves the Stack; a child that fails to serve stops them all."""
+    make_private_dir(core_share_file(args).parent)  # as `up` makes it: the workers share the cores through it
     sup = Supervisor(grace_s=5.0)
     try:
         children = [sup.start(spec) for spec in workers]

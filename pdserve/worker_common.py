@@ -232,6 +232,8 @@ def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, thr
         return PrefillCores(share, config.core_share_slot)
     cores = DecodeCores(share, max(config.wide_threads, threads), threads, compute_threads.thread_setter())
     model = engine.runner.model
+    if not hasattr(model, "one_call_decode_step"):  # a parallel driver: its ranks keep to --threads
+        return None
     model.between_layers = cores.between_layers
     if not args.step_threads:  # the one-call C step takes the share's count of the moment
         model.step_threads = lambda: cores.budget
