@@ -235,11 +235,9 @@ def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, thr
     if not hasattr(model, "one_call_decode_step"):  # a parallel driver: its ranks keep to --threads
         return None
     model.between_layers = cores.between_layers
-    if not args.step_threads:  # the one-call C step takes the share's count of the moment
-        model.step_threads = lambda: cores.budget
-        plan = model.one_call_decode_step()
-        if plan is not None:
-            plan.threads.wanted = model.step_threads
+    plan = model.one_call_decode_step()  # planned once: the engine's weights are packed by now
+    if plan is not None and not args.step_threads:  # the C step takes the share's count of the moment
+        plan.threads.wanted = lambda: cores.budget
     log.info("core share %s: %d threads while no prefill worker computes, %d otherwise", config.core_share,
              cores.wide, cores.narrow)
     return cores

@@ -271,11 +271,8 @@ def wide_threads(args: argparse.Namespace, cores: int | None = None) -> int:
     about three quarters of a 32-stream run (9 of 40 s) while the decode worker computed 35."""
     from pdserve.runtime.compute_threads import default_threads
 
-    degree = 1
-    for split in ("tensor", "pipeline"):
-        degree *= getattr(args, f"decode_{split}_parallel_size") or getattr(args, f"{split}_parallel_size")
     narrow = args.threads or worker_threads(args)
-    return max(narrow, (cores or default_threads()) // max(args.decode * degree, 1))
+    return max(narrow, (cores or default_threads()) // max(_processes(args, "decode"), 1))
 
 
 def worker_threads(args: argparse.Namespace, cores: int | None = None) -> int:
@@ -286,13 +283,16 @@ def worker_threads(args: argparse.Namespace, cores: int | None = None) -> int:
     cores, 8 streams: 10 tok/s with 2 threads each against 130 with 1)."""
     from pdserve.runtime.compute_threads import default_threads
 
-    processes = 0
-    for kind in ("prefill", "decode"):
-        degree = 1
-        for split in ("tensor", "pipeline"):
-            degree *= getattr(args, f"{kind}_{split}_parallel_size") or getattr(args, f"{split}_parallel_size")
-        processes += getattr(args, kind) * degree
+    processes = _processes(args, "prefill") + _processes(args, "decode")
     return max(1, (cores or default_threads()) // max(processes, 1))
+
+
+def _processes(args: argparse.Namespace, kind: str) -> int:
+    """The processes of the `kind` workers: each worker's ranks (tensor x pipeline degree)."""
+    degree = 1
+    for split in ("tensor", "pipeline"):
+        degree *= getattr(args, f"{kind}_{split}_parallel_size") or getattr(args, f"{split}_parallel_size")
+    return getattr(args, kind) * degree
 
 
 def _parallel_flags(args: argparse.Namespace, kind: str) -> tuple[str, ...]:

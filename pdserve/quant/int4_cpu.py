@@ -307,7 +307,8 @@ class Int4Linear:
         return y[:m]
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_int4_matmul.matmul(x, self.nibbles, self.scale, self.mins, self.bias)  # [M, out]
+        q8 = self.q8
+        return cpu_int4_matmul.matmul(x, q8.nibbles, q8.scale, q8.mins, q8.bias)  # [M, out]
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self._dense_weight(), self.bias)

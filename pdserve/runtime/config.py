@@ -135,9 +135,9 @@ class EngineConfig:
     # dense weights' memory. Resolved by engine_args.dense_copy (--dense-copy).
     dense_copy: bool = False
     # Threads of the one-call C decode step (runtime.kernels.cpu_decode_step: decode steps of few
-    # sequences on the CPU); 0: the engine thread's torch count. `pdserve up` gives a decode worker
-    # the cores it shares with the prefill worker beside it: the step drops to one thread for a
-    # while when it finds them taken (StepThreads).
+    # sequences on the CPU); 0: the engine thread's torch count, or under `pdserve up` the host's core
+    # share's count of the moment (runtime.core_share). The step drops to one thread for a while when
+    # it finds its cores taken (StepThreads).
     step_threads: int = 0
 
     def __post_init__(self) -> None:

@@ -176,11 +176,10 @@ class LlamaModel:
     """Stateless forward: the KV cache and the step's metadata are passed in."""
 
     def __init__(self, config: ModelConfig, weights: dict, device: str = "cpu",
-                 all_reduce: AllReduce | None = None, step_threads: int | Callable[[], int] = 0) -> None:
+                 all_reduce: AllReduce | None = None, step_threads: int = 0) -> None:
         """weights: HF names -> tensors, or `QuantizedWeight`s for quantized projections. A
         tensor-parallel rank (pdserve.runtime.parallel) passes its shard's config and weights and
-        the group's `all_reduce`. step_threads: the one-call C decode step's (0: torch's count; a
-        function: its count of the moment)."""
+        the group's `all_reduce`. step_threads: the one-call C decode step's (0: torch's count)."""
         self.config = config
         self.kernels = get_kernels(device)
         arch = config.arch

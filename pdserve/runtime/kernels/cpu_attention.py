@@ -40,6 +40,7 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # step built on all of them (decode_step.c, cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("kv_write.c", "int4_matmul.c", "bf16_matmul.c", "layer_ops.c",
                                                              "decode_step.c")))
+HEADERS = (SOURCE.with_name("bf16.h"),)  # included by the sources: part of the cache key
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
 _QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -90,7 +91,8 @@ def _cpu_identity() -> str:
 
 
 def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join((compiler, *CFLAGS)).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
+                         + " ".join((compiler, *CFLAGS)).encode()
                          + _cpu_identity().encode()).hexdigest()[:16]
     return cache_dir() / f"paged_attention-{platform.machine()}-{key}.so"
 

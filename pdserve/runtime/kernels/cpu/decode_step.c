@@ -151,6 +151,21 @@ static void silu_rows(const DecodeStep* s, const char* gate_up, int64_t n, char*
         silu_mul_f32((const float*)gate_up, 2 * I, n, I, (float*)out);
 }
 
+// Decode attention of n sequences over layer l of the cache (its K rows, then its V rows a block
+// further), scores in `scores`.
+static void attention_rows(const DecodeStep* s, const char* q, float* scores, const int64_t* tables,
+                           const int64_t* lens, int64_t n, int64_t l, char* out) {
+    const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd;
+    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row, t_pad = s->max_blocks * s->block_size;
+    const int64_t k_offset = l * 2 * s->block_size * row, v_offset = (l * 2 + 1) * s->block_size * row;
+    if (s->bf16)
+        paged_attention_bf16_bf16((const uint16_t*)q, (uint16_t*)out, scores, s->scale, s->cache, tables, lens, n,
+                                  s->max_blocks, H, KVH, hd, s->block_size, block_stride, k_offset, v_offset, t_pad);
+    else
+        paged_attention_f32_f32((const float*)q, (float*)out, scores, s->scale, s->cache, tables, lens, n,
+                                s->max_blocks, H, KVH, hd, s->block_size, block_stride, k_offset, v_offset, t_pad);
+}
+
 // A barrier of the step's threads: spun on (the others' part of a phase is microseconds away), then
 // slept on (a futex). Why sleep and not sched_yield: when another process keeps a core busy (the
 // prefill worker beside this one), a member waiting here must free its core for the member that was
@@ -268,16 +283,9 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
                       l * 2 * s->block_size * row * es, s->cache_blocks * s->block_size);  // slots checked before
     }
     barrier_wait(bar);
-    if (n && s->bf16)  // shapes checked before the step
-        paged_attention_bf16_bf16((const uint16_t*)AT(b->q, r0 * H * hd), (uint16_t*)AT(b->attn, r0 * H * hd),
-                                  b->scores + r0 * H * t_pad, s->scale, s->cache, s->block_tables + r0 * s->max_blocks,
-                                  s->context_lens + r0, n, s->max_blocks, H, KVH, hd, s->block_size, block_stride,
-                                  l * 2 * s->block_size * row, (l * 2 + 1) * s->block_size * row, t_pad);
-    else if (n)
-        paged_attention_f32_f32((const float*)AT(b->q, r0 * H * hd), (float*)AT(b->attn, r0 * H * hd),
-                                b->scores + r0 * H * t_pad, s->scale, s->cache, s->block_tables + r0 * s->max_blocks,
-                                s->context_lens + r0, n, s->max_blocks, H, KVH, hd, s->block_size, block_stride,
-                                l * 2 * s->block_size * row, (l * 2 + 1) * s->block_size * row, t_pad);
+    if (n)  // shapes checked before the step
+        attention_rows(s, AT(b->q, r0 * H * hd), b->scores + r0 * H * t_pad, s->block_tables + r0 * s->max_blocks,
+                       s->context_lens + r0, n, l, AT(b->attn, r0 * H * hd));
     barrier_wait(bar);
     linear_part(s, &w->o, b->attn, s->batch, b->o, id, parts);
     barrier_wait(bar);

@@ -21,6 +21,7 @@
 // as Int4Linear.nibbles keeps them; scale, min [N, K / 32] fp32; x [M, K] fp32 with row stride;
 // y [M, N] fp32 with row stride. The integer dot runs on a group's codes unpacked as [its 16 even
 // codes | its 16 odd codes], so xq is written in that order too (q8_quantize_groups).
+#include "bf16.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -325,18 +326,10 @@ int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
     if (xf == NULL) return -1;
     float* yf = xf + m * k;  // [m, n1]: columns [n0, n1) written
     for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) {
-            const uint32_t u = (uint32_t)x[r * x_stride + i] << 16;
-            memcpy(xf + r * k + i, &u, sizeof(float));
-        }
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = f32_of(x[r * x_stride + i]);
     const int err = linear_q8(xf, m, k, k, codes, scale, mins, bias, n0, n1, yf, n1, 4);
     for (int64_t r = 0; r < m && !err; r++)
-        for (int64_t n = n0; n < n1; n++) {
-            uint32_t u;
-            memcpy(&u, yf + r * n1 + n, sizeof u);
-            y[r * y_stride + n] = (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((u >> 16) | 0x40)
-                                                                  : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        }
+        for (int64_t n = n0; n < n1; n++) y[r * y_stride + n] = bf16_round(yf[r * n1 + n]);
     free(xf);
     return err;
 }

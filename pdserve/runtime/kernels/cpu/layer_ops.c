@@ -10,6 +10,7 @@
 //
 // Every row is computed alone, in a fixed order: a row's output does not depend on the other rows
 // of its call, nor on how many threads split them.
+#include "bf16.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -157,20 +158,7 @@ void silu_mul_f32(const float* gate_up, int64_t stride, int64_t n, int64_t inter
 // in fp32 alike, so RoPE equals torch's bit for bit; RMSNorm's mean and SiLU's exp are fp32 values
 // within an ulp or two of torch's, so those outputs may differ from torch's by one bf16 ulp, rarely.
 
-static inline float f32_of(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-// Round to nearest even, as torch's float -> bfloat16 (a NaN stays a quiet NaN).
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+// f32_of (exact widening) and bf16_round (nearest even, as torch): bf16.h.
 
 #ifdef LAYER_OPS_AVX2
 // 8 bf16 -> 8 fp32 (exact), and 8 fp32 -> 8 bf16 rounded as bf16_round.
