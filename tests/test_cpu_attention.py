@@ -133,3 +133,13 @@ def test_a_portable_build_serves_where_no_compiler_is(tmp_path, monkeypatch):
                                    rtol=1e-5, atol=1e-5)
     finally:
         cpu_attention.library.cache_clear()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_the_library_splits_work_on_torchs_own_openmp_runtime():
+    """Built with -fopenmp, the library must bind to the libgomp torch loaded, not load a second one:
+    two runtimes would keep two teams of threads that spin against each other on a small machine
+    (kernels/cpu/threads.h). Fails if a torch wheel ships its libgomp under another soname. (Other
+    packages' own renamed copies, sentencepiece's, are theirs.)"""
+    mapped = {line.split()[-1] for line in open("/proc/self/maps") if line.rstrip().endswith("/libgomp.so.1")}
+    assert len(mapped) == 1, mapped

@@ -22,7 +22,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -40,24 +39,26 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # step built on all of them (decode_step.c, cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in ("kv_write.c", "int4_matmul.c", "bf16_matmul.c", "layer_ops.c",
                                                              "decode_step.c")))
-HEADERS = (SOURCE.with_name("bf16.h"),)  # included by the sources: part of the cache key
+HEADERS = (SOURCE.with_name("bf16.h"), SOURCE.with_name("threads.h"))  # included: part of the cache key
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
-CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
+# -fopenmp: its entry points split their work on the calling thread's OpenMP team, torch's own
+# (kernels/cpu/threads.h says why).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _QUERY_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _CACHE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32", torch.int8: "i8"}
 _KERNELS = [("bf16", "bf16"), ("f32", "f32"), ("bf16", "i8"), ("f32", "i8")]  # (query, cache) built
 # q, out, scores, scale; cache, tables, lens; batch, max_blocks, heads, kv_heads, dim, block_size,
-# block_stride, k_offset, v_offset, t_pad
-_ATTENTION_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10
+# block_stride, k_offset, v_offset, t_pad, threads
+_ATTENTION_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11
 # cache, k, v; k and v row strides; slots; n, num_blocks, kv_heads, dim, block_size, block_stride, layer_offset
 _KV_WRITE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
 KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
-# x, m, k, x_stride; codes, scale, mins, bias; n0, n1, y, y_stride
-_INT4_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [
-    ctypes.c_void_p, ctypes.c_int64]
-# x, m, k, x_stride; codes, scale; n0, n1, y, y_stride
-_INT8_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [
-    ctypes.c_void_p, ctypes.c_int64]
+# x, m, k, x_stride; codes, scale, mins, bias; n, y, y_stride, threads (the `_threads` entry points)
+_INT4_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+# x, m, k, x_stride; codes, scale; n, y, y_stride, threads
+_INT8_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # The row operations of kernels/cpu/layer_ops.c (called through cpu_layer_ops).
 _LAYER_OPS_ARGS = {
@@ -158,17 +159,16 @@ def library() -> ctypes.CDLL | None:
                     "(decode attention and the INT8 KV write)", why)
         return None
     for query, cache in _KERNELS:
-        getattr(lib, f"paged_attention_{query}_{cache}").argtypes = _ATTENTION_ARGS
+        getattr(lib, f"paged_attention_{query}_{cache}_threads").argtypes = _ATTENTION_ARGS
     for inputs in KV_WRITE_INPUTS:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     for name, argtypes in _LAYER_OPS_ARGS.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name.startswith(("rope", "kv_write")) else None
     lib.decode_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     lib.decode_step.restype = ctypes.c_int
-    lib.int4_linear_f32.argtypes, lib.int4_linear_f32.restype = _INT4_LINEAR_ARGS, ctypes.c_int
-    lib.int4_linear_bf16.argtypes, lib.int4_linear_bf16.restype = _INT4_LINEAR_ARGS, ctypes.c_int
-    lib.int8_linear_f32.argtypes, lib.int8_linear_f32.restype = _INT8_LINEAR_ARGS, ctypes.c_int
-    lib.int8_linear_bf16.argtypes, lib.int8_linear_bf16.restype = _INT8_LINEAR_ARGS, ctypes.c_int
+    for name, argtypes in (("int4_linear_f32", _INT4_LINEAR_ARGS), ("int4_linear_bf16", _INT4_LINEAR_ARGS),
+                           ("int8_linear_f32", _INT8_LINEAR_ARGS), ("int8_linear_bf16", _INT8_LINEAR_ARGS)):
+        getattr(lib, f"{name}_threads").argtypes, getattr(lib, f"{name}_threads").restype = argtypes, ctypes.c_int
     lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int
     return lib
 
@@ -195,7 +195,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     None when this kernel does not apply (dtype, layout, no library): the caller runs torch's path."""
     if not supports(q, kv_cache):
         return None
-    attention = getattr(library(), f"paged_attention_{_kernel_suffix(q, kv_cache)}")
+    attention = getattr(library(), f"paged_attention_{_kernel_suffix(q, kv_cache)}_threads")
     b, h, d = q.shape
     _, layers, _, rows, kvh, _ = kv_cache.shape
     q = q.contiguous()
@@ -204,40 +204,18 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     tables, lens, scores = per_step("c_decode_attention", (block_tables, context_lens, h), lambda: (
         block_tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous(),
         torch.empty((b, h, block_tables.shape[1] * block_size_of(kv_cache)), dtype=torch.float32)))
-    mb, t_pad = tables.shape[1], scores.shape[2]
     chunk = rows * kvh * d  # elements of one (block, layer, k/v) run
     out = torch.empty_like(q)
-    es = q.element_size()
-
-    def sequences(b0: int, b1: int) -> None:  # [b0, b1)
-        attention(q.data_ptr() + b0 * h * d * es, out.data_ptr() + b0 * h * d * es,
-                  scores.data_ptr() + b0 * h * t_pad * 4, scale, kv_cache.data_ptr(), tables.data_ptr() + b0 * mb * 8,
-                  lens.data_ptr() + b0 * 8, b1 - b0, mb, h, kvh, d, block_size_of(kv_cache), layers * 2 * chunk,
-                  2 * layer * chunk, (2 * layer + 1) * chunk, t_pad)
-
-    split_over_threads(sequences, b, MIN_SEQUENCES_PER_THREAD)
+    attention(q.data_ptr(), out.data_ptr(), scores.data_ptr(), scale, kv_cache.data_ptr(), tables.data_ptr(),
+              lens.data_ptr(), b, tables.shape[1], h, kvh, d, block_size_of(kv_cache), layers * 2 * chunk,
+              2 * layer * chunk, (2 * layer + 1) * chunk, scores.shape[2], threads_for(b, MIN_SEQUENCES_PER_THREAD))
     return out
 
 
-# Work split over torch's thread count: ctypes lets go of the GIL during a call, so the calling
-# thread runs the first part while pool threads run the others. Only the C calls run on the pool
-# (a torch op there would start another OpenMP team: pdserve.runtime.compute_threads).
-MIN_SEQUENCES_PER_THREAD = 4
-_pool: ThreadPoolExecutor | None = None
+MIN_SEQUENCES_PER_THREAD = 2
 
 
-def split_over_threads(run, total: int, min_per_part: int, align: int = 1) -> None:
-    """run(i0, i1) over [0, total) in up to torch.get_num_threads() parts of at least `min_per_part`
-    items (bounds multiples of `align`), the first part on this thread."""
-    global _pool
-    parts = max(1, min(torch.get_num_threads(), total // min_per_part))
-    if parts == 1:
-        run(0, total)
-        return
-    if _pool is None or _pool._max_workers < parts - 1:
-        _pool = ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="cpu-kernels")
-    bounds = [min(total, total * i // parts // align * align) for i in range(parts)] + [total]
-    futures = [_pool.submit(run, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    run(bounds[0], bounds[1])
-    for f in futures:
-        f.result()
+def threads_for(items: int, min_per_thread: int) -> int:
+    """Threads for a C call over `items` independent items: torch's count for the calling thread, fewer
+    where a thread would get under `min_per_thread` items (the C side splits them: kernels/cpu/threads.h)."""
+    return max(1, min(torch.get_num_threads(), items // min_per_thread))

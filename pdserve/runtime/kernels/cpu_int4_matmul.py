@@ -48,7 +48,7 @@ def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: to
     if not supports(x):
         return None
     weights = (nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), 0 if bias is None else bias.data_ptr())
-    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32, weights)
+    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32_threads, weights)
 
 
 def matmul_bf16(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
@@ -59,7 +59,7 @@ def matmul_bf16(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, min
             and available()):
         return None
     weights = (nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), 0 if bias is None else bias.data_ptr())
-    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_bf16, weights, torch.bfloat16)
+    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_bf16_threads, weights, torch.bfloat16)
 
 
 def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
@@ -67,26 +67,22 @@ def matmul_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     in -127..127, scale [N, K/32] fp32, contiguous. None where the kernel does not apply."""
     if not supports(x):
         return None
-    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_f32,
+    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_f32_threads,
                              (codes.data_ptr(), scale.data_ptr()))
 
 
 def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """y [M, n] (`dtype`) by the C `linear(x, m, k, x_stride, *weights, n0, n1, y, y_stride)` over the n
-    outputs, split across threads (the fp32 kernels' parts each quantize x themselves: one call a part,
-    no tensors in between). The caller has checked that the kernel applies to x."""
+    """y [M, n] (`dtype`) by the C `linear(x, m, k, x_stride, *weights, n, y, y_stride, threads)`, which
+    splits the n outputs over threads (each part quantizes x itself: no tensors in between). The
+    caller has checked that the kernel applies to x."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty((m, n), dtype=dtype)
-    head = (x.data_ptr(), m, k, x.stride(0), *weights)
-
-    def rows(n0: int, n1: int) -> None:
-        if linear(*head, n0, n1, y.data_ptr(), n):
-            raise MemoryError(f"no scratch for a {m} x {k} input's int8 quantization")
-
-    cpu_attention.split_over_threads(rows, n, MIN_ROWS_PER_THREAD, align=2)
+    if linear(x.data_ptr(), m, k, x.stride(0), *weights, n, y.data_ptr(), n,
+              cpu_attention.threads_for(n, MIN_ROWS_PER_THREAD)):
+        raise MemoryError(f"no scratch for a {m} x {k} input's int8 quantization")
     return y
 
 
@@ -116,5 +112,5 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
     if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
             and bf16_available()):
         return None
-    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_bf16,
+    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_bf16_threads,
                              (codes.data_ptr(), scale.data_ptr()))

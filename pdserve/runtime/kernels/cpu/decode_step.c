@@ -10,13 +10,14 @@
 // same library: not inlined, so the same machine code) run in the eager step's order on the same
 // values, so the two steps agree to the bit (tests/test_cpu_decode_step.py holds them to it). With
 // more than one thread, each phase is split as the eager step splits it (projections by output
-// rows, row operations and attention by sequences), a barrier between phases.
+// rows, row operations and attention by sequences), a barrier between phases. The threads are the
+// calling thread's OpenMP team, torch's own (threads.h): already running, no threads started a step.
 //
 // Shapes: B sequences, one token each; D hidden, H query heads, KVH kv heads, hd head dim, I the
 // MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] in the activations' dtype
 // (fp32, or bf16 where DecodeStep.bf16), contiguous.
 #define _GNU_SOURCE  // syscall (the barrier's futex) and clock_gettime under -std=c11
-#include <pthread.h>
+#include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -227,13 +228,7 @@ typedef struct {
     void* out;
     Scratch b;
     SpinBarrier barrier;
-    atomic_int started;  // 0 until the team's size is known (threads that could not start are not in it)
 } Team;
-
-typedef struct {
-    Team* team;
-    int id;
-} Member;
 
 // Member id's share [lo, hi) of total items in `parts` parts, bounds multiples of `align`.
 static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, int64_t* hi) {
@@ -301,21 +296,16 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
     barrier_wait(bar);
 }
 
-static void* run_member(void* arg) {
-    Member* m = arg;
-    Team* t = m->team;
-    while (!atomic_load_explicit(&t->started, memory_order_acquire)) sched_yield();
+static void run_member(Team* t, int id) {
     const DecodeStep* s = t->s;
     const int parts = t->barrier.size;
-    if (m->id >= parts) return NULL;
-    for (int64_t l = 0; l < s->num_layers; l++) layer_step(s, &t->layers[l], l, &t->b, m->id, parts, &t->barrier);
+    for (int64_t l = 0; l < s->num_layers; l++) layer_step(s, &t->layers[l], l, &t->b, id, parts, &t->barrier);
     int64_t r0, r1;
-    share(s->batch, m->id, parts, 1, &r0, &r1);
+    share(s->batch, id, parts, 1, &r0, &r1);
     const Scratch* b = &t->b;
     if (r1 > r0)
         norm_rows(s, AT(b->down, r0 * s->hidden), AT(b->residual, r0 * s->hidden), s->final_norm, r1 - r0,
                   AT((char*)t->out, r0 * s->hidden), AT(b->residual, r0 * s->hidden));
-    return NULL;
 }
 
 #define MAX_THREADS 64
@@ -323,10 +313,10 @@ static void* run_member(void* arg) {
 #define ATTENTION_MAX_HEADS 64
 
 // embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
-// (this one and threads - 1 started for the step; fewer where they cannot be started). Returns 0;
-// 1 where the scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the
-// attention does not take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when
-// most waits at the barriers ended asleep (another process had the cores), else 0.
+// of the calling thread's OpenMP team (fewer where OpenMP gives fewer). Returns 0; 1 where the
+// scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the attention does not
+// take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when most waits at the
+// barriers ended asleep (another process had the cores), else 0.
 int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* embeddings, void* out, int64_t threads,
                 int64_t* loaded) {
     for (int64_t r = 0; r < s->batch; r++)
@@ -339,25 +329,18 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     if (base == NULL) return 1;
     memcpy(t.b.residual, embeddings, (size_t)(s->batch * s->hidden * t.b.es));
     const int wanted = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads;
-    Member members[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int size = 1;
-    atomic_init(&t.started, 0);
     atomic_init(&t.barrier.arrived, 0);
     atomic_init(&t.barrier.generation, 0);
     atomic_init(&t.barrier.sleepers, 0);
     atomic_init(&t.barrier.slept, 0);
-    for (int i = 1; i < wanted; i++) {
-        members[i] = (Member){&t, i};
-        if (pthread_create(&ids[i], NULL, run_member, &members[i]) != 0) break;
-        size++;
+    t.barrier.size = 1;
+#pragma omp parallel num_threads(wanted)
+    {
+#pragma omp single
+        t.barrier.size = omp_get_num_threads();  // (the single's own barrier: every member sees it)
+        run_member(&t, omp_get_thread_num());
     }
-    t.barrier.size = size;
-    atomic_store_explicit(&t.started, 1, memory_order_release);
-    members[0] = (Member){&t, 0};
-    run_member(&members[0]);
-    for (int i = 1; i < size; i++) pthread_join(ids[i], NULL);
-    const int64_t waits = (int64_t)atomic_load(&t.barrier.generation) * (size - 1);
+    const int64_t waits = (int64_t)atomic_load(&t.barrier.generation) * (t.barrier.size - 1);
     *loaded = 2 * (int64_t)atomic_load(&t.barrier.slept) > waits && waits > 0;
     free(base);
     return 0;

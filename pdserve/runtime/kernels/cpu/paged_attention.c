@@ -12,6 +12,7 @@
 // int64 (padded); context_lens [B] int64. Math in fp32 in a fixed order per sequence, so a sequence's
 // output does not depend on the rest of the batch. Plain C, no intrinsics: the dot products keep
 // LANES independent partial sums so that the compiler vectorizes them without reassociating.
+#include "threads.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -290,3 +291,26 @@ DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, paged_scores_bf1
 DEFINE_ATTENTION(paged_attention_f32_f32, float, float, paged_scores_f32_f32, paged_values_f32_f32)
 DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)
 DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)
+
+// The entry points Python calls (cpu_attention): one sequence at a time over `threads` OpenMP threads
+// (threads.h), dynamically (sequences differ in length). A sequence's output is the same whatever
+// the split: each is computed alone, in its own fixed order.
+#define DEFINE_THREADED_ATTENTION(NAME, TQ, TC)                                                               \
+    int NAME##_threads(const TQ* q, TQ* out, float* scores, float scale, const TC* cache,                      \
+                       const int64_t* block_tables, const int64_t* context_lens, int64_t batch,               \
+                       int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,   \
+                       int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad,                \
+                       int64_t threads) {                                                                     \
+        int failed = 0;                                                                                       \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:failed) if(threads > 1)") \
+        for (int64_t b = 0; b < batch; b++)                                                                   \
+            failed |= NAME(q + b * heads * dim, out + b * heads * dim, scores + b * heads * t_pad, scale, cache, \
+                           block_tables + b * max_blocks, context_lens + b, 1, max_blocks, heads, kv_heads, dim, \
+                           block_size, block_stride, k_offset, v_offset, t_pad);                              \
+        return failed;                                                                                        \
+    }
+
+DEFINE_THREADED_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t)
+DEFINE_THREADED_ATTENTION(paged_attention_f32_f32, float, float)
+DEFINE_THREADED_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t)
+DEFINE_THREADED_ATTENTION(paged_attention_f32_i8, float, int8_t)
