@@ -164,27 +164,62 @@ static int bf16_dot_applies(int64_t heads, int64_t kv_heads, int64_t dim) {
     return dim % 32 == 0 && dim <= MAX_HEAD_DIM && heads <= MAX_HEADS && (heads / kv_heads) * dim / 16 <= MAX_ACC_VECTORS;
 }
 
+// 16 vectors' horizontal sums as one vector: lane i is the sum of v[i]'s lanes. A transposing
+// reduction (pairs of vectors, then 64-bit pairs, then 128-bit lanes twice): 15 shuffle-and-add
+// steps for 16 sums, where 16 separate reductions take 4 dependent steps each.
+static inline __m512 sums16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  // lanes 4j, 4j + 2: v[2i]'s partials; 4j + 1, 4j + 3: v[2i + 1]'s
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  // 128-bit lane j: the j-th partials of v[4i .. 4i + 3]
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)  // 128-bit lanes: v[8i .. 8i + 3] and v[8i + 4 .. 8i + 7], two partials each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// Scores 16 tokens at a time (a run of consecutive rows in one block): each query head's products
+// with the 16 keys, then one transposing reduction (sums16). A token's score is the same sum
+// whatever the batch (its lane and its run are fixed by its position in its own sequence).
 static void scores_bf16_dot(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(uint16_t)) {
     const int64_t row = kv_heads * dim, group = heads / kv_heads;
+    const __m512 scale16 = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < batch; b++) {
         SEQUENCE_PROLOGUE
         const uint16_t* qb = q + b * heads * dim;
         float* out = scores + b * heads * t_pad;
-        for (int64_t t = 0; t < len; t++) {
-            const int64_t slot = t % block_size;
-            const uint16_t* chunk = cache + table[t / block_size] * block_stride + offset;
-            if (slot == 0 && t + block_size < len)
-                prefetch_next((const char*)(cache + table[t / block_size + 1] * block_stride + offset),
-                              block_size * row * (int64_t)sizeof(uint16_t));
-            const uint16_t* k = chunk + slot * row;
+        for (int64_t t0 = 0; t0 < len;) {
+            const int64_t slot = t0 % block_size;
+            int64_t n = block_size - slot < 16 ? block_size - slot : 16;
+            n = len - t0 < n ? len - t0 : n;
+            const uint16_t* chunk = cache + table[t0 / block_size] * block_stride + offset;
+            // The next block's rows, fetched while this run computes, a share before each head: a
+            // burst of them all at once waits on the core's few outstanding misses.
+            const char* next = t0 + n < len && (t0 + n) % block_size == 0
+                                   ? (const char*)(cache + table[(t0 + n) / block_size] * block_stride + offset) : NULL;
+            const int64_t next_bytes = block_size * row * (int64_t)sizeof(uint16_t);
+            const int64_t share_bytes = (next_bytes / heads + 63) / 64 * 64;
+            if (t0 == 0) prefetch_next((const char*)chunk, next_bytes);
+            const uint16_t* keys = chunk + slot * row;
             for (int64_t hq = 0; hq < heads; hq++) {
-                const uint16_t* kh = k + (hq / group) * dim;
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t d = 0; d < dim; d += 32)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + hq * dim + d),
-                                           (__m512bh)_mm512_loadu_si512(kh + d));
-                out[hq * t_pad + t] = scale * _mm512_reduce_add_ps(acc);
+                if (next != NULL)
+                    for (int64_t i = hq * share_bytes; i < (hq + 1) * share_bytes && i < next_bytes; i += 64)
+                        __builtin_prefetch(next + i);
+                const uint16_t* kh = keys + (hq / group) * dim;
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < dim; d += 32) {
+                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + hq * dim + d);
+                    for (int i = 0; i < 16; i++)  // rows past the run read row 0 again: lanes discarded
+                        acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(kh + (i < n ? i : 0) * row + d));
+                }
+                _mm512_mask_storeu_ps(out + hq * t_pad + t0, (__mmask16)((1u << n) - 1),
+                                      _mm512_mul_ps(scale16, sums16(acc)));
             }
+            t0 += n;
         }
     }
 }
