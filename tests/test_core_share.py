@@ -56,12 +56,12 @@ def test_a_claim_lapses_after_hold_s_and_a_time_from_before_a_reboot_is_ignored(
 
 
 def test_decode_widens_while_no_prefill_computes_and_narrows_between_layers_when_one_starts(tmp_path):
-    """A step starts with OpenMP narrow and its budget wide (a one-call C step takes the budget);
-    an eager step's layers widen OpenMP, and a prefill claim narrows both from the next layer."""
+    """A step starts wide while no prefill worker computes (OpenMP and a one-call C step's budget),
+    and a prefill claim narrows both from the next layer."""
     share, calls = CoreShare(tmp_path / "cores"), []
     cores = DecodeCores(share, wide=2, narrow=1, set_threads=calls.append)
     cores.before_step()
-    assert (cores.budget, cores.threads, calls) == (2, 1, [])  # as a C step would run it
+    assert (cores.budget, cores.threads, calls) == (2, 2, [2])
     cores.between_layers()
     cores.between_layers()
     assert (cores.threads, calls) == (2, [2])

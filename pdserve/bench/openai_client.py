@@ -4,8 +4,8 @@ SGLang, or pdserve's own HTTP API; so the same workload measures pdserve beside 
 Each request is greedy (`temperature` 0) with `ignore_eos` (llama.cpp, vLLM and pdserve take it), so
 output lengths are the workload's. Tokens are counted one per streamed chunk that carries text
 (llama.cpp and vLLM send one token a chunk), and the final usage (`stream_options.include_usage`),
-when the server sends it, corrects the total: a server that coalesces tokens is still counted
-exactly, its ITL then per chunk, as vLLM's benchmark counts it.
+when the server sends it, replaces the total: a server that coalesces tokens, or splits one token's
+text over chunks, is still counted exactly, its ITL then per chunk, as vLLM's benchmark counts it.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ class OpenAICompletions:
                 if text:
                     counted += 1
                     yield Chunk(1, text)
-                if usage:
-                    extra = max(int(usage.get("completion_tokens", counted)) - counted, 0)
-                    yield Chunk(0, "", usage.get("prompt_tokens"), completion_tokens=counted + extra)
+                if usage:  # the server's own count, over or under ours (a token's text may span chunks)
+                    yield Chunk(0, "", usage.get("prompt_tokens"),
+                                completion_tokens=int(usage.get("completion_tokens", counted)))
 
     async def close(self) -> None:
         if self._session is not None:
