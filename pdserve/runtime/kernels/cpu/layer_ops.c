@@ -214,9 +214,22 @@ void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* resi
         }
         const uint16_t* src = s != NULL ? s : xr;
         // Squares of bf16 values are exact in double, and so (short of a 2^37 spread) are their sums:
-        // eight partial sums, so that the additions do not wait on each other.
+        // eight partial sums, so that the additions do not wait on each other (part[l]: the elements
+        // i = l mod 8, in order; the vector loop keeps them in two registers of four, the same sums).
         double part[LANES] = {0};
-        for (int64_t i = 0; i < d; i++) part[i % LANES] += (double)f32_of(src[i]) * f32_of(src[i]);
+        int64_t i = 0;
+#ifdef LAYER_OPS_AVX2
+        __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+        for (; i + LANES <= d; i += LANES) {
+            const __m256 v = load8_bf16(src + i);
+            const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            lo = _mm256_fmadd_pd(a, a, lo);  // the product is exact: fused or not, the same sum
+            hi = _mm256_fmadd_pd(b, b, hi);
+        }
+        _mm256_storeu_pd(part, lo);
+        _mm256_storeu_pd(part + 4, hi);
+#endif
+        for (; i < d; i++) part[i % LANES] += (double)f32_of(src[i]) * f32_of(src[i]);
         double ss = 0.0;
         for (int l = 0; l < LANES; l++) ss += part[l];
         const float inv = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
