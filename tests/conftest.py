@@ -174,7 +174,8 @@ def smollm2_tokenizer_fields() -> dict[str, GGUFField]:
 
 # Modules about the running stack: every test in them (or all but a trivial one) starts processes.
 STACK_MODULES = {
-    "test_chat_page.py",  # headless Chromium against a real stack (`stack`)
+    "test_chat_page.py",  # headless Chromium against a real stack (chat_page_support's `stack`)
+    "test_chat_page_conversations.py",  # the same: conversations, errors, models, the API key
     "test_decode_death.py",  # decode workers SIGSTOPped / SIGKILLed under load
     "test_experiments_stack.py",  # two real deployments (FP32, INT8) behind one gateway
     "test_fuzz_grpc.py",  # hypothesis against a running stack (fuzz_support.stack_fixture)
