@@ -218,7 +218,7 @@ class Int4Linear:
     (torch's kernel) or not (dense), as they do by the dense threshold already."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "dense_packed", "perm", "mins", "q8")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -245,8 +245,8 @@ class Int4Linear:
         self.out_features, self.in_features, self.dtype, self.planes = n, pk // p, dtype, p
         # (fp32, ours: a forward's rows go by token kind instead; this count only outside one)
         self.dense_from_rows = DENSE_FROM_ROWS if p == 1 else DENSE_FROM_ROWS_TWO_PLANES
-        self.dense: torch.Tensor | None = None  # [out, in]: `dequantized()` kept (keep_dense_copy)
-        self.dense_packed = False  # whether `dense` is in oneDNN's layout (`onednn_packed`)
+        # [out, in]: `dequantized()` kept (keep_dense_copy), plain or in oneDNN's layout (`dense_packed`)
+        self.dense: torch.Tensor | None = None
         self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
@@ -336,6 +336,11 @@ class Int4Linear:
             return linear_packed(x, self.dense, self.bias)
         return F.linear(x, self._dense_weight(), self.bias)
 
+    @property
+    def dense_packed(self) -> bool:
+        """Whether the kept copy is in oneDNN's layout (`onednn_packed`), for `linear_packed` only."""
+        return self.dense is not None and self.dense.is_mkldnn
+
     def _dense_weight(self) -> torch.Tensor:
         """[out, in]: the kept dense copy (plain), else the codes dequantized for this call."""
         return self.dequantized() if self.dense is None or self.dense_packed else self.dense
@@ -387,7 +392,7 @@ class Int4Linear:
             self.dense_from_rows = DENSE_COPY_FROM_ROWS if self.planes == 1 else DENSE_COPY_FROM_ROWS_TWO_PLANES
             packed = onednn_packed(self.dense)
             if packed is not None:
-                self.dense, self.dense_packed = packed, True
+                self.dense = packed
                 self.dense_from_rows = min(self.dense_from_rows, DENSE_PACKED_FROM_ROWS)
 
     @property

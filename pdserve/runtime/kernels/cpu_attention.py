@@ -174,6 +174,7 @@ def library() -> ctypes.CDLL | None:
 
 
 MAX_HEAD_DIM, MAX_HEADS = 256, 64  # the C side's fixed buffers
+MIN_SEQUENCES_PER_THREAD = 2  # decode attention: at least this many sequences a thread
 
 
 def _kernel_suffix(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
@@ -211,8 +212,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
               2 * layer * chunk, (2 * layer + 1) * chunk, scores.shape[2], threads_for(b, MIN_SEQUENCES_PER_THREAD))
     return out
 
-
-MIN_SEQUENCES_PER_THREAD = 2
 
 
 def threads_for(items: int, min_per_thread: int) -> int:

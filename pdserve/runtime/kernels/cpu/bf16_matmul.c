@@ -21,6 +21,7 @@
 // A 4-bit variant for the projections (a 32-entry bf16 table a pair of groups, looked up by vpermw)
 // lost to torch's int4 kernel at every row count on that CPU (0.21 against 0.17 ms at one row for
 // 6144 x 576: the table's construction is ALU-bound) and was dropped.
+#include "threads.h"
 #include <stdint.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
@@ -107,4 +108,10 @@ int int8_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
     (void)x, (void)m, (void)k, (void)x_stride, (void)codes, (void)scale, (void)n0, (void)n1, (void)y, (void)y_stride;
     return -2;
 #endif
+}
+
+// The entry point Python calls (cpu_int4_matmul): split over threads (threads.h).
+int int8_linear_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* codes,
+                             const float* scale, int64_t n, float* y, int64_t y_stride, int64_t threads) {
+    LINEAR_THREADS(int8_linear_bf16(x, m, k, x_stride, codes, scale, n0, n1, y, y_stride))
 }

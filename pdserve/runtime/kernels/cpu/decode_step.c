@@ -17,6 +17,7 @@
 // MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] in the activations' dtype
 // (fp32, or bf16 where DecodeStep.bf16), contiguous.
 #define _GNU_SOURCE  // syscall (the barrier's futex) and clock_gettime under -std=c11
+#include "threads.h"
 #include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -232,8 +233,8 @@ typedef struct {
 
 // Member id's share [lo, hi) of total items in `parts` parts, bounds multiples of `align`.
 static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, int64_t* hi) {
-    *lo = total * id / parts / align * align;
-    *hi = id + 1 == parts ? total : total * (id + 1) / parts / align * align;
+    *lo = part_start(total, id, parts, align);
+    *hi = part_start(total, id + 1, parts, align);
 }
 
 // A projection's output rows split over the team (aligned to the kernel's 2-row tiles).

@@ -335,21 +335,7 @@ int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
     return err;
 }
 
-// The entry points Python calls (cpu_int4_matmul): output rows [0, n) in `threads` parts of whole
-// pairs of rows (threads.h), each part quantizing the inputs itself: one call a part, nothing
-// shared. A part returns 0 or a negative code; the lowest is returned.
-#define LINEAR_THREADS(CALL)                                                                                  \
-    int err = 0;                                                                                              \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(min:err) if(threads > 1)")      \
-    for (int64_t p = 0; p < threads; p++) {                                                                   \
-        const int64_t n0 = part_start(n, p, threads, 2), n1 = part_start(n, p + 1, threads, 2);               \
-        if (n1 > n0) {                                                                                        \
-            const int e = CALL;                                                                               \
-            err = e < err ? e : err;                                                                          \
-        }                                                                                                     \
-    }                                                                                                         \
-    return err;
-
+// The entry points Python calls (cpu_int4_matmul): split over threads (threads.h).
 int int4_linear_f32_threads(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                             const float* scale, const float* mins, const float* bias, int64_t n, float* y,
                             int64_t y_stride, int64_t threads) {
@@ -365,12 +351,4 @@ int int4_linear_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_
                              const float* scale, const float* mins, const float* bias, int64_t n, uint16_t* y,
                              int64_t y_stride, int64_t threads) {
     LINEAR_THREADS(int4_linear_bf16(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride))
-}
-
-int int8_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* codes, const float* scale,
-                     int64_t n0, int64_t n1, float* y, int64_t y_stride);  // bf16_matmul.c
-
-int int8_linear_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* codes,
-                             const float* scale, int64_t n, float* y, int64_t y_stride, int64_t threads) {
-    LINEAR_THREADS(int8_linear_bf16(x, m, k, x_stride, codes, scale, n0, n1, y, y_stride))
 }
