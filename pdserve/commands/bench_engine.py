@@ -75,8 +75,8 @@ def run_transformers(model, work: Workload, batch_size: int) -> RunResult:
     for b in range(0, len(work.prompts), batch_size):
         prompts, lens = work.prompts[b:b + batch_size], work.output_lens[b:b + batch_size]
         width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max(lens),
                            min_new_tokens=max(lens), pad_token_id=0)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     run_pdserve(engine, make_workload(argparse.Namespace(**{**vars(args), "num_requests": 4}), 64))  # warm-up
     results = [run_pdserve(engine, work)]
     if not args.skip_hf:
-        model = hf_model(checkpoint.config, checkpoint.weights)
+        model = hf_model(checkpoint.config, checkpoint.weights).to(args.device)  # the engine's device
         results.append(run_transformers(model, work, args.hf_batch_size))
     data = report(results, work, args)
     if args.json:

@@ -259,7 +259,7 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         cuda_ops.paged_decode_attention(q.transpose(0, 1).contiguous().transpose(0, 1), cache, 0, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        cuda_ops.paged_decode_attention(q[:, :3], cache, 0, tables, ctx, 1.0)
+        cuda_ops.paged_decode_attention(q[:, :3].contiguous(), cache, 0, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="layer"):
         cuda_ops.paged_decode_attention(q, cache, 1, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="context_len"):

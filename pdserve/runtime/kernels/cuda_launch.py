@@ -206,8 +206,14 @@ def _cache_strides(kv_cache: torch.Tensor, layer: int) -> tuple[np.int64, np.int
     return _i64(layer * s[1]), _i64(s[0]), _i64(s[2])
 
 
+def kernel_head_dim(d: int) -> bool:
+    """Whether the attention kernels take head dim d: a warp's 32 lanes split a K/V row, so a
+    positive multiple of 32 (every served model's: 64, 128 ...)."""
+    return d > 0 and d % 32 == 0
+
+
 def _check_head_dim(d: int) -> None:
-    if d % 32 or d <= 0:
+    if not kernel_head_dim(d):
         raise ValueError(f"head dim must be a positive multiple of 32, got {d}")
 
 

@@ -53,6 +53,7 @@ from pdserve.runtime.kernels.cuda_launch import (  # noqa: F401 - kernel_source,
     _rows,
     _sm_count,
     compile_options,
+    kernel_head_dim,
     kernel_source,
 )
 
@@ -232,6 +233,12 @@ def _check_attention_q(q: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> t
     return suffix, h, kvh, d, bs
 
 
+def _kernels_take(kv_cache: torch.Tensor) -> bool:
+    """False for a cache of another head dim (a toy model's, stories260K's 8): its attention runs
+    the torch reference on the GPU instead. A malformed cache goes on to the kernels' checks."""
+    return kv_cache.dim() != 6 or kernel_head_dim(kv_cache.shape[5])
+
+
 def row_split(head_dim: int, itemsize: int) -> tuple[int, int]:
     """(VEC, TG) of paged_attention.cu's RowSplit: elements per lane, lanes per K/V row."""
     vec16 = 16 // itemsize
@@ -279,6 +286,8 @@ def paged_decode_attention(
     The grid is sized from MB * block_size, an upper bound of every context, so no length
     is read back to the host. A context of 0 gives zeros.
     """
+    if not _kernels_take(kv_cache):
+        return torch_ops.paged_decode_attention_torch(q, kv_cache, layer, block_tables, context_lens, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
     cache_suffix = f"_{SCALED_SUFFIX[kv_cache.dtype]}" if _scaled(kv_cache) else ""
     dev = q.device
@@ -339,7 +348,7 @@ def prefill_attention(
     q: [n, H, D] are the last n positions of a context of `context_len` tokens whose keys
     and values are already written into the blocks of `block_table` ([MB]) -> out [n, H, D].
     """
-    if _scaled(kv_cache):
+    if _scaled(kv_cache) or not _kernels_take(kv_cache):
         return torch_ops.prefill_attention(q, kv_cache, layer, block_table, context_len, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
     dev = q.device
@@ -381,7 +390,7 @@ def prefill_attention_varlen(
     and the grid is sized by the bound ceil(N / 32) + S. The lengths are trusted (checking
     them would need a host sync): 0 <= n_s <= context_lens[s] <= MB * block_size.
     """
-    if _scaled(kv_cache):
+    if _scaled(kv_cache) or not _kernels_take(kv_cache):
         return torch_varlen.prefill_attention_varlen(q, kv_cache, layer, cu_seqlens_q, context_lens,
                                                      block_tables, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
