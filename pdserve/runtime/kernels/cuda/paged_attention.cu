@@ -68,6 +68,46 @@ __device__ __forceinline__ void load_row(const C* __restrict__ head_base, long l
     }
 }
 
+// Tokens whose K or V rows one thread group (phase 1) or thread (phase 3) loads before it uses
+// any of them: a decode step is bound by memory latency, and one row at a time left most of
+// the bandwidth idle (kernel_bench: about 300 GB/s of the H200's 4.8 TB/s at batch 32).
+constexpr int DECODE_UNROLL = 4;
+
+// acc[j] += p[t] * v_t[col + j] over tokens t = first, first + step, ... < end, in that order
+// (the order of the one-row loop this replaces, so the sums are unchanged).
+template <typename C, int VEC>
+__device__ __forceinline__ void accumulate_values(float (&acc)[VEC], const C* __restrict__ v_head,
+                                                  const long long* __restrict__ table, long long block_stride,
+                                                  int block_size, long long row_stride, int col,
+                                                  const float* __restrict__ p_row, int start, int first,
+                                                  int end, int step) {
+    constexpr int U = DECODE_UNROLL;
+    int t = first;
+    for (; t + (U - 1) * step < end; t += U * step) {
+        float v[U][VEC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int tu = t + u * step;
+            load_row<C, VEC>(v_head, table[tu / block_size], block_stride, tu % block_size, block_size,
+                             row_stride, col, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const float p = p_row[t + u * step - start];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[u][j], acc[j]);
+        }
+    }
+    for (; t < end; t += step) {
+        float v[VEC];
+        load_row<C, VEC>(v_head, table[t / block_size], block_stride, t % block_size, block_size,
+                         row_stride, col, v);
+        const float p = p_row[t - start];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
+    }
+}
+
 template <typename T, typename C, int D>
 __device__ __forceinline__ void paged_decode_partition(
     T* __restrict__ out,                    // [B, H, D]           (single-partition launch)
@@ -128,30 +168,38 @@ __device__ __forceinline__ void paged_decode_partition(
     const C* v_head = k_head + kv_stride;                                     // values of kvh
 
     // ---- phase 1: logits[g][t] = q_g . k_t for the partition's tokens ---------------------
-    // Thread group `grp` (TG lanes) takes token start + grp, then + NG, ...; lane `lg` holds
-    // elements [lg*VEC, (lg+1)*VEC) of the row. The loop bound is block-uniform so that all
-    // lanes of a warp reach the shuffles together.
+    // Thread group `grp` (TG lanes) takes tokens t0 + u*NG + grp (u < DECODE_UNROLL) of each
+    // round t0, loading their rows before reducing any; lane `lg` holds elements
+    // [lg*VEC, (lg+1)*VEC) of a row. The loop bound is block-uniform so that all lanes of a
+    // warp reach the shuffles together.
     {
+        constexpr int U = DECODE_UNROLL;
         const int lg = tid % TG;
         const int grp = tid / TG;
-        for (int t0 = start; t0 < end; t0 += NG) {
-            const int t = t0 + grp;
-            const bool valid = t < end;
-            float k[VEC];
-            if (valid) {
-                load_row<C, VEC>(k_head, table[t / block_size], block_stride, t % block_size, block_size,
-                                 row_stride, lg * VEC, k);
-            } else {
+        for (int t0 = start; t0 < end; t0 += U * NG) {
+            float k[U][VEC];
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) k[j] = 0.0f;
+            for (int u = 0; u < U; ++u) {
+                const int t = t0 + u * NG + grp;
+                if (t < end) {
+                    load_row<C, VEC>(k_head, table[t / block_size], block_stride, t % block_size, block_size,
+                                     row_stride, lg * VEC, k[u]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) k[u][j] = 0.0f;
+                }
             }
-            for (int g = 0; g < G; ++g) {
-                const float* qg = q_s + g * D + lg * VEC;
-                float dot = 0.0f;
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) dot = fmaf(qg[j], k[j], dot);
-                dot = group_sum<TG>(dot);
-                if (valid && lg == 0) logits[g * P + (t - start)] = dot;
+            for (int u = 0; u < U; ++u) {
+                const int t = t0 + u * NG + grp;
+                for (int g = 0; g < G; ++g) {
+                    const float* qg = q_s + g * D + lg * VEC;
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) dot = fmaf(qg[j], k[u][j], dot);
+                    dot = group_sum<TG>(dot);
+                    if (t < end && lg == 0) logits[g * P + (t - start)] = dot;
+                }
             }
         }
     }
@@ -207,15 +255,8 @@ __device__ __forceinline__ void paged_decode_partition(
             float acc[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-            const float* p_row = logits + g * P;
-            for (int t = start + slice; t < end; t += NS) {
-                float v[VEC];
-                load_row<C, VEC>(v_head, table[t / block_size], block_stride, t % block_size, block_size,
-                                 row_stride, c * VEC, v);
-                const float p = p_row[t - start];
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
-            }
+            accumulate_values<C, VEC>(acc, v_head, table, block_stride, block_size, row_stride, c * VEC,
+                                      logits + g * P, start, start + slice, end, NS);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) red[(slice * W + w) * VEC + j] = acc[j];
         }
@@ -233,15 +274,8 @@ __device__ __forceinline__ void paged_decode_partition(
             float acc[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-            const float* p_row = logits + g * P;
-            for (int t = start; t < end; ++t) {
-                float v[VEC];
-                load_row<C, VEC>(v_head, table[t / block_size], block_stride, t % block_size, block_size,
-                                 row_stride, c * VEC, v);
-                const float p = p_row[t - start];
-#pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] = fmaf(p, v[j], acc[j]);
-            }
+            accumulate_values<C, VEC>(acc, v_head, table, block_stride, block_size, row_stride, c * VEC,
+                                      logits + g * P, start, start, end, 1);
 #pragma unroll
             for (int j = 0; j < VEC; ++j) emit(g, c * VEC + j, acc[j]);
         }
