@@ -94,6 +94,25 @@ def test_prefill_attention_with_cached_prefix(n: int, ctx: int, heads: int, kv_h
     torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("n", [16, 200])
+def test_prefill_attention_without_prefix_gives_the_masked_calls_bits(n: int) -> None:
+    """A whole prompt (no cached prefix) takes is_causal with grouped heads; its bf16 output must
+    be the bits of the masked call with repeated heads that chunks after a prefix take."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    cache = _cache(32, 1, bs, kv_heads, d, gen).bfloat16()
+    table = _scattered_tables([n], bs, 32, gen)[0]
+    q = torch.randn(n, heads, d, generator=gen).bfloat16()
+    out = torch_ops.prefill_attention(q, cache, 0, table, n, 0.125)
+    k, v = (x.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0) for x in _dense_kv(cache, 0, table.tolist(), n))
+    mask = torch.zeros(n, n, dtype=torch.bfloat16).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    masked = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                                              attn_mask=mask, scale=0.125)[0].transpose(0, 1)
+    assert torch.equal(out, masked)
+    want = dense_attention(q, *_dense_kv(cache, 0, table.tolist(), n), torch.arange(n), 0.125)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_prefill_attention_varlen_matches_dense() -> None:
     gen = torch.Generator().manual_seed(2)
     d, bs, layer, heads, kv_heads = 32, 4, 1, 6, 3
