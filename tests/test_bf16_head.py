@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.int4_cpu import DENSE_COPY_FROM_ROWS, DENSE_PACKED_FROM_ROWS, Int4Linear
+from pdserve.quant.int4_cpu import DENSE_COPY_FROM_ROWS, DENSE_PACKED_FROM_ROWS, Int4Linear, onednn_packed
 from pdserve.quant.q8_head import BF16_KERNEL_BELOW_ROWS, Q8Head
 from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.runtime.engine import Engine
@@ -78,14 +78,20 @@ def _bf16_engine(checkpoint, dense_copy: bool, seqs: int = 16) -> Engine:
 
 def test_bf16_engine_keeps_the_files_q8_0_head_beside_its_dense_weight(smollm2_bf16):
     """The head's codes are the file's: dequantized and rounded to bf16 they are the loaded weight,
-    bit for bit, so the kernel and the dense matmul multiply the same weights."""
+    bit for bit, so the kernel and the dense matmul multiply the same weights; the dense weight is
+    kept in oneDNN's layout (where torch has oneDNN), and the embedding's rows are the loaded ones."""
     engine = _bf16_engine(smollm2_bf16, dense_copy=False)
     head = engine.runner.model.lm_head
-    assert isinstance(head, Q8Head) and head.dense is not None and head is engine.runner.model.embed
+    assert isinstance(head, Q8Head) and head.bf16_weight is not None and head is engine.runner.model.embed
     embed = smollm2_bf16.weights[smollm2_bf16.config.arch.global_name("embed")]
-    assert torch.equal(head.dequantize().to(torch.bfloat16), embed) and head.dense is embed
-    ids = torch.tensor([1, 200, 4000])
-    assert torch.equal(head.embedding(ids), F.embedding(ids, embed))
+    assert torch.equal(head.dequantize().to(torch.bfloat16), embed)
+    assert (head.packed is not None) == (onednn_packed(embed[:32]) is not None)
+    assert head.dense is (None if head.packed is not None else embed)  # one bf16 copy, not two
+    assert torch.equal(head.embedding(torch.arange(embed.shape[0])), embed)  # every row's bits
+    gen = torch.Generator().manual_seed(3)
+    for rows in (BF16_KERNEL_BELOW_ROWS, 32, 200):  # the dense weight's rows: F.linear's bits, packed or not
+        x = torch.randn((rows, embed.shape[1]), generator=gen).to(torch.bfloat16)
+        assert torch.equal(head(x), F.linear(x, embed).float())
     gen = torch.Generator().manual_seed(4)
     hidden = torch.randn((BF16_KERNEL_BELOW_ROWS - 1, embed.shape[1]), generator=gen).to(torch.bfloat16)
     logits = head(hidden)  # the kernel's, rounded to bf16 as the dense matmul's output
