@@ -107,16 +107,17 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.bench import arrivals, report, workloads
     from pdserve.bench.client import RunResult, run_workload
     from pdserve.bench.progress import ProgressBar
-    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+    from pdserve.runtime.loader import inspect_checkpoint, load_checkpoint, resolve_model_path
 
     if args.server is None and args.openai_url is None and not args.start_stack:
         raise ValueError("give --server HOST:PORT (a running gateway), --openai-url URL or --start-stack")
     rates = arrivals.parse_rates(args.sweep) if args.sweep else [args.request_rate]
-    checkpoint = load_checkpoint(resolve_model_path(args.model))
+    model_path = resolve_model_path(args.model)
+    tokenizer = inspect_checkpoint(model_path).tokenizer  # the weights only for a baseline (at its turn)
     spec = workloads.WorkloadSpec(
         args.workload, args.num_requests, args.input_len, args.output_len, args.range_ratio, args.num_prefixes,
         args.prefix_len, args.turns, args.turn_len, args.think_time_ms / 1000, args.dataset)
-    conversations = workloads.build(spec, checkpoint.tokenizer, args.seed)
+    conversations = workloads.build(spec, tokenizer, args.seed)
     total = workloads.num_requests(conversations)
     slo = report.Slo(args.slo_ttft_ms, args.slo_tpot_ms)
 
@@ -142,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
                 try:
                     if args.warmup:
                         warm = workloads.build(workloads.WorkloadSpec(
-                            "random", args.warmup, args.input_len, min(args.output_len, 16)), checkpoint.tokenizer,
+                            "random", args.warmup, args.input_len, min(args.output_len, 16)), tokenizer,
                             args.seed + 1)
                         await run_workload(backend, warm, [0.0] * len(warm), run_id=f"warm{i}")
                     return await run_workload(backend, conversations, offsets, args.max_concurrency, label,
@@ -164,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.baseline_threads or args.threads)
         progress = ProgressBar(total, "transformers", enabled=not args.no_progress)
-        baseline = run_hf(checkpoint, conversations, args.baseline_batch_size,
+        baseline = run_hf(load_checkpoint(model_path), conversations, args.baseline_batch_size,
                           on_record=lambda r: progress.update(r.ok))
         progress.close()
 
