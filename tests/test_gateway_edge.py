@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway import server as gateway_server
 from gateway.config import GatewayConfig
 from gateway.request_limits import RequestLimits
+from conftest import start_keyed_stack
 from waiting import wait_until
 from pdserve.ports import free_port
-from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MODEL = "stories260K"
@@ -38,9 +38,7 @@ BIG = "a" * 7_500_000  # under the 8 MiB body / message limit: only the characte
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys.write_text(f"{KEY_A} name=a\n{KEY_B} name=b\n")
-    s = start_stack(1, 1, "--http-port", str(free_port()), env={"PDSERVE_API_KEYS_FILE": str(keys)})
+    s = start_keyed_stack(tmp_path_factory.mktemp("keys"), f"{KEY_A} name=a", f"{KEY_B} name=b")
     yield s
     s.stop()
 

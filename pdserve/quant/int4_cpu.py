@@ -83,7 +83,8 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] @ W^T (+ bias) for W packed by `onednn_packed`: F.linear(x, W, bias)'s bits."""
+    """x [M, in] @ W^T (+ bias) by oneDNN's linear, for W packed by `onednn_packed` (F.linear(x, W,
+    bias)'s bits) or a plain W (fp32 too: `_dense_row_invariant`)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
@@ -317,7 +318,7 @@ class Int4Linear:
         if _ONEDNN_LINEAR:
             if m < PROMPT_GEMM_MIN_ROWS:
                 x = torch.cat([x, x.new_zeros((PROMPT_GEMM_MIN_ROWS - m, k))])
-            return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")[:m]
+            return linear_packed(x, weight, self.bias)[:m]
         chunks = -(-m // PROMPT_GEMM_ROWS)
         padded = x.new_zeros((chunks * PROMPT_GEMM_ROWS, k))
         padded[:m] = x

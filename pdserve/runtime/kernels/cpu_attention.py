@@ -213,7 +213,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     return out
 
 
-
 def threads_for(items: int, min_per_thread: int) -> int:
     """Threads for a C call over `items` independent items: torch's count for the calling thread, fewer
     where a thread would get under `min_per_thread` items (the C side splits them: kernels/cpu/threads.h)."""

@@ -239,6 +239,12 @@ def _kernels_take(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dim() != 6 or kernel_head_dim(kv_cache.shape[5])
 
 
+def _prefill_kernels_take(kv_cache: torch.Tensor) -> bool:
+    """The prefill kernels also read float caches only: a scaled one (int8 / fp8 codes) prefills
+    through the torch reference, which dequantizes the blocks it gathers."""
+    return not _scaled(kv_cache) and _kernels_take(kv_cache)
+
+
 def row_split(head_dim: int, itemsize: int) -> tuple[int, int]:
     """(VEC, TG) of paged_attention.cu's RowSplit: elements per lane, lanes per K/V row."""
     vec16 = 16 // itemsize
@@ -348,7 +354,7 @@ def prefill_attention(
     q: [n, H, D] are the last n positions of a context of `context_len` tokens whose keys
     and values are already written into the blocks of `block_table` ([MB]) -> out [n, H, D].
     """
-    if _scaled(kv_cache) or not _kernels_take(kv_cache):
+    if not _prefill_kernels_take(kv_cache):
         return torch_ops.prefill_attention(q, kv_cache, layer, block_table, context_len, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
     dev = q.device
@@ -390,7 +396,7 @@ def prefill_attention_varlen(
     and the grid is sized by the bound ceil(N / 32) + S. The lengths are trusted (checking
     them would need a host sync): 0 <= n_s <= context_lens[s] <= MB * block_size.
     """
-    if _scaled(kv_cache) or not _kernels_take(kv_cache):
+    if not _prefill_kernels_take(kv_cache):
         return torch_varlen.prefill_attention_varlen(q, kv_cache, layer, cu_seqlens_q, context_lens,
                                                      block_tables, scale)
     suffix, h, kvh, d, bs = _check_attention_q(q, kv_cache, layer)
