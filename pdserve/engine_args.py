@@ -25,12 +25,13 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
                         "per-block, per-head scales")
     p.add_argument("--weight-format", default=os.environ.get("PDSERVE_WEIGHT_FORMAT", "auto"),
                    choices=list(WEIGHT_FORMATS),
-                   help="projections as dense matrices, or int4 codes packed for the CPU kernel (the GGUF's own "
-                        "Q4_0/Q4_1/Q4_K codes where it has them; needs --dtype bfloat16/float16): a quarter of the "
-                        "bytes per step, faster up to about 16 streams; packed: also the GGUF's Q8_0/Q5_K codes "
-                        "(two 4-bit planes) and Q6_K dequantized; auto: int4 when the GGUF's projections are "
-                        "Q4_0/Q4_1, packed when all are packable, if --dtype resolves to bfloat16/float16 on the "
-                        "CPU (default: %(default)s)")
+                   help="projections as dense matrices, or int4 codes packed for the CPU kernels (the GGUF's own "
+                        "Q4_0/Q4_1/Q4_K codes where it has them): a quarter of the bytes per step; in float32 int4 "
+                        "quantizes the inputs to int8 (llama.cpp's Q4 x Q8_1), int4-exact keeps them (W4A32, the "
+                        "dequantized weights' outputs); packed (bfloat16/float16): also the GGUF's Q8_0/Q5_K codes "
+                        "(two 4-bit planes) and Q6_K dequantized; auto on the CPU: with bfloat16/float16 int4 when "
+                        "the GGUF's projections are Q4_0/Q4_1, packed when all are packable; with float32 "
+                        "int4-exact when they are Q4_0/Q4_1 (default: %(default)s)")
     p.add_argument("--dense-copy", "--dense-prefill-copy", dest="dense_copy", choices=["auto", "on", "off"],
                    default=os.environ.get("PDSERVE_DENSE_COPY", os.environ.get("PDSERVE_DENSE_PREFILL_COPY", "auto")),
                    help="with packed projections (int4/packed), also keep them dequantized, for the dense weights' "

@@ -76,6 +76,7 @@ def _bf16_engine(checkpoint, dense_copy: bool, seqs: int = 16) -> Engine:
         dtype="bfloat16", weight_format="auto", dense_copy=dense_copy))
 
 
+@needs_bf16_kernel  # the head is kept as codes only where their bf16 kernel runs (pack_head)
 def test_bf16_engine_keeps_the_files_q8_0_head_beside_its_dense_weight(smollm2_bf16):
     """The head's codes are the file's: dequantized and rounded to bf16 they are the loaded weight,
     bit for bit, so the kernel and the dense matmul multiply the same weights; the dense weight is

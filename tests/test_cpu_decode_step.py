@@ -31,9 +31,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _int4_engine(checkpoint, dtype: str = "float32") -> Engine:
+def _int4_engine(checkpoint, dtype: str = "float32", weight_format: str = "int4") -> Engine:
     engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=96, dtype=dtype),
-                                                             dtype=dtype, weight_format="int4"))
+                                                             dtype=dtype, weight_format=weight_format))
     engine.keep_logits = True
     return engine
 
@@ -77,16 +77,19 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
             "c_steps": runs[0]}
 
 
-@pytest.mark.parametrize("batch,threads", [(1, 1), (5, 1), (5, 2)])
-def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, threads, monkeypatch):
+@pytest.mark.parametrize("batch,threads,weight_format", [(1, 1, "int4"), (5, 1, "int4"), (5, 2, "int4"),
+                                                         (1, 1, "int4-exact"), (5, 2, "int4-exact")])
+def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, threads, weight_format, monkeypatch):
     """On the same thread count (the prompts' dense GEMM rounds by it), decode steps in C and the eager
     layers, each on an engine of its own (the same blocks, no prefix cached from the other). Prompts of
     several lengths put contexts across block boundaries (16-token blocks); two threads split every
-    phase of the C step (5 sequences: 3 and 2)."""
+    phase of the C step (5 sequences: 3 and 2). int4-exact: the step's projections on the W4A32 kernel."""
     prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (3 * i)) for i in range(batch)]
     with torch_threads(threads):
-        one_call = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=True)
-        eager = _decode_trace(_int4_engine(smollm2), prompts, 12, monkeypatch, one_call=False)
+        one_call = _decode_trace(_int4_engine(smollm2, weight_format=weight_format), prompts, 12, monkeypatch,
+                                 one_call=True)
+        eager = _decode_trace(_int4_engine(smollm2, weight_format=weight_format), prompts, 12, monkeypatch,
+                              one_call=False)
     assert one_call["c_steps"] == 11 and eager["c_steps"] == 0  # every step after the prompts' one
     assert one_call["tokens"] == eager["tokens"]
     assert len(one_call["hidden"]) == len(eager["hidden"])

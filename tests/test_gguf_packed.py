@@ -175,8 +175,11 @@ def test_auto_keeps_int4_for_q4_files_and_packs_q8_0(tmp_path):
     assert weights_for(load_checkpoint(tmp_path / "q8.gguf", dtype=torch.bfloat16), config)[1] == "packed"
     write_tiny(tmp_path / "q4.gguf", {r: Q.Q4_1 for r in MIXED})
     assert weights_for(load_checkpoint(tmp_path / "q4.gguf", dtype=torch.bfloat16), config)[1] == "int4"
-    fp32 = EngineConfig(dtype="float32", weight_format="auto")  # the kernel needs bf16/fp16
+    fp32 = EngineConfig(dtype="float32", weight_format="auto")  # torch's kernel needs bf16/fp16
     assert weights_for(load_checkpoint(tmp_path / "q8.gguf"), fp32)[1] == "dense"
+    # Q4 codes in fp32: our W4A32 kernel, where the library builds
+    four = weights_for(load_checkpoint(tmp_path / "q4.gguf"), fp32)[1]
+    assert four == ("int4-exact" if cpu_int4_matmul.available() else "dense")
 
 
 # ---- malformed files ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pdserve.quant.int4_cpu import (DENSE_COPY_FROM_ROWS, DENSE_COPY_FROM_ROWS_T
                                     Int4Linear, linear_packed, onednn_packed,
                                     codes_of_gguf_blocks, quantize_rtn, weights_for)
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
+from pdserve.runtime.kernels import cpu_int4_matmul
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.sampling_params import SamplingParams
 
@@ -115,12 +116,13 @@ def _engine(checkpoint, weight_format: str) -> Engine:
                                                            dtype="bfloat16", weight_format=weight_format))
 
 
-def test_auto_takes_the_files_codes_in_bf16_and_dense_in_fp32_or_on_a_gpu(smollm2_bf16):
+def test_auto_takes_the_files_codes_in_bf16_with_exact_inputs_in_fp32_and_dense_on_a_gpu(smollm2_bf16):
     assert _engine(smollm2_bf16, "auto").weight_format == "int4"
     config = EngineConfig(cache=CacheConfig(num_blocks=8), dtype="bfloat16", weight_format="auto", device="cuda")
     assert weights_for(smollm2_bf16, config)[1] == "dense"
     config = EngineConfig(cache=CacheConfig(num_blocks=8), dtype="float32", weight_format="auto")
-    assert weights_for(smollm2_bf16, config)[1] == "dense"  # fp32 int4 only when asked for
+    # fp32: the codes times unquantized inputs (int4's int8 inputs only when asked for)
+    assert weights_for(smollm2_bf16, config)[1] == ("int4-exact" if cpu_int4_matmul.available() else "dense")
     from pdserve.runtime.loader import load_checkpoint
 
     stories = load_checkpoint(STORIES_GGUF, dtype=torch.bfloat16)  # float32 tensors in the file: no codes

@@ -29,6 +29,7 @@ import torch
 
 from pdserve.quant.gptq_cpu import gptq_weights, has_gptq_weights
 from pdserve.quant.int4_cpu import GROUP, Int4Codes, pack_weights
+from pdserve.runtime.kernels import cpu_int4_matmul
 
 log = logging.getLogger(__name__)
 
@@ -194,35 +195,43 @@ def read_packed(path: Path, names: dict[str, str]) -> tuple[dict[str, BlockCodes
 
 
 def weights_for(checkpoint, config) -> tuple[dict[str, object], str]:
-    """(the weights an engine of `config` runs on `checkpoint`, the format: "dense", "int4" or "packed").
+    """(the weights an engine of `config` runs on `checkpoint`, the format: "dense", "int4",
+    "int4-exact" or "packed").
 
     auto, on the CPU with bf16/fp16 compute: a GGUF whose projections are all Q4_0/Q4_1 -> "int4" (as
     before); all in PACKED_TYPES or DENSE_AT_LOAD_TYPES, at least one packed -> "packed"; else dense.
-    auto with fp32 compute: dense (the fp32 int4 kernel, cpu_int4_matmul, is taken by asking for int4:
-    its int8 inputs cost SmolLM2 answers, "Paris" among them, as they do llama.cpp's Q4_1 x Q8_1;
-    docs/quantization.md). int4: every projection 4-bit (the file's 4-bit codes, round-to-nearest for the rest). packed: the
-    file's codes where it has them, the loaded dense weight elsewhere. A GPTQ checkpoint's codes
-    are converted alike (pdserve.quant.gptq_cpu.gptq_weights; auto takes them too)."""
+    auto, on the CPU with fp32 compute (a CPU without native bf16): a GGUF whose projections are all
+    Q4_0/Q4_1 -> "int4-exact", the file's codes times unquantized fp32 inputs (cpu_int4_matmul's
+    W4A32 kernel: the dequantized weights' outputs to fp32 rounding, at the codes' bytes a step);
+    else dense. (int4 in fp32 quantizes the inputs to int8 as llama.cpp's Q4_1 x Q8_1 does, which
+    costs SmolLM2 answers, "Paris" among them: docs/quantization.md; taken when asked for.)
+    int4 / int4-exact: every projection 4-bit (the file's 4-bit codes, round-to-nearest for the
+    rest). packed: the file's codes where it has them, the loaded dense weight elsewhere. A GPTQ
+    checkpoint's codes are converted alike (pdserve.quant.gptq_cpu.gptq_weights; auto takes them
+    too, with bf16/fp16 compute)."""
     fmt, model = config.weight_format, checkpoint.config
     gguf = checkpoint.source if checkpoint.source.suffix == ".gguf" else None
-    packable = config.dtype in ("bfloat16", "float16") and config.device.startswith("cpu")
-    if fmt == "dense" or (fmt == "auto" and not packable):
+    on_cpu = config.device.startswith("cpu")
+    packable = config.dtype in ("bfloat16", "float16") and on_cpu
+    exact_auto = config.dtype == "float32" and on_cpu and gguf is not None and cpu_int4_matmul.available()
+    if fmt == "dense" or (fmt == "auto" and not (packable or exact_auto)):
         return checkpoint.weights, "dense"
     act = getattr(torch, config.dtype)
     if gguf is None and has_gptq_weights(checkpoint.weights, model):  # a GPTQ checkpoint's own codes
-        return gptq_weights(checkpoint.weights, model, act, fmt)
+        return gptq_weights(checkpoint.weights, model, act, "int4" if fmt == "int4-exact" else fmt)
     if fmt == "auto" and gguf is None:
         return checkpoint.weights, "dense"
     names = model.arch.projection_names(model)
     codes, types = read_packed(gguf, {model.arch.to_gguf(n): n for n in names}) if gguf else ({}, {})
     if fmt == "auto":
-        served = {_NAMES[t] for t in PACKED_TYPES | DENSE_AT_LOAD_TYPES}
+        served = {_NAMES[t] for t in PACKED_TYPES | DENSE_AT_LOAD_TYPES} if packable else {"Q4_0", "Q4_1"}
         if not codes or len(types) < len(names) or not set(types.values()) <= served:
             return checkpoint.weights, "dense"  # float projections: packing would add quantization error
-        fmt = "int4" if set(types.values()) <= {"Q4_0", "Q4_1"} else "packed"
-    if fmt == "int4":
+        four_bit = "int4" if packable else "int4-exact"
+        fmt = four_bit if set(types.values()) <= {"Q4_0", "Q4_1"} else "packed"
+    if fmt in ("int4", "int4-exact"):
         four = {n: int4_codes(c) for n, c in codes.items() if c.bits == 4}
-        return pack_weights(checkpoint.weights, model, act, four), "int4"
+        return pack_weights(checkpoint.weights, model, act, four, exact_inputs=fmt == "int4-exact"), fmt
     return packed_weights(checkpoint.weights, model, act, codes, types), "packed"
 
 

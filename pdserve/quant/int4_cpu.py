@@ -75,11 +75,24 @@ _generated_rows: contextvars.ContextVar[RowKinds | None] = contextvars.ContextVa
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [out, in] bf16 / fp16 in oneDNN's blocked layout for `linear_packed` (an opaque tensor),
-    or None where torch has no oneDNN or the dtype is another."""
+    or None where torch has no oneDNN, the dtype is another, or the CPU has no oneDNN path for it
+    (oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2 CPU raises there)."""
     if not (_ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"):
+            and weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
+            and _onednn_runs(weight.dtype)):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_FOR_ROWS)
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN lays out and multiplies `dtype` weights on this CPU (asked once, on a tiny weight)."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, 32, dtype=dtype), PACKED_FOR_ROWS)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 32, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -135,6 +148,9 @@ class Int4Codes:
     act_dtype: torch.dtype = torch.bfloat16  # what the layer multiplies them with
     planes: int = 1  # 2: 8-bit codes u = 16 h + l as a high plane [h] and a low one [l]
     perm: torch.Tensor | None = None  # [K] int64: input column of each code column (None: in order)
+    # True: the layer never quantizes its inputs to int8 (fp32: the W4A32 kernel, `matmul_exact`;
+    # bf16: no few-row int8 path); False: fp32 inputs go to int8 per group, as llama.cpp's Q4 x Q8_1.
+    exact_inputs: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -161,8 +177,8 @@ class Int4Codes:
         """The same weight with its output rows reordered (`order`: [N] row indices)."""
         return replace(self, codes=self.codes[order], scale=self.scale[order], zero=self.zero[order])
 
-    def for_dtype(self, dtype: torch.dtype) -> Int4Codes:
-        return replace(self, act_dtype=dtype)
+    def for_dtype(self, dtype: torch.dtype, exact_inputs: bool = False) -> Int4Codes:
+        return replace(self, act_dtype=dtype, exact_inputs=exact_inputs)
 
 
 def quantize_rtn(weight: torch.Tensor) -> Int4Codes:
@@ -200,6 +216,7 @@ class Q8Form:
     scale: torch.Tensor  # [N, K / 32] fp32
     mins: torch.Tensor  # [N, K / 32] fp32
     bias: torch.Tensor | None  # [N] fp32
+    exact: bool = False  # fp32 inputs as they are (`matmul_exact`), not quantized to int8 (`matmul`)
 
 
 class Int4Linear:
@@ -251,7 +268,8 @@ class Int4Linear:
         self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
-        few_rows = dtype == torch.bfloat16 and p == 1 and codes.perm is None and cpu_int4_matmul.available()
+        few_rows = (dtype == torch.bfloat16 and p == 1 and codes.perm is None and not codes.exact_inputs
+                    and cpu_int4_matmul.available())
         self.q8 = self._q8_form(codes) if ours or few_rows else None
 
     def _q8_form(self, codes: Int4Codes) -> Q8Form:
@@ -259,7 +277,7 @@ class Int4Linear:
         scale = self.scale.float().contiguous()  # the kernel's rounded values, as the other paths use
         mins = self.mins if self.mins is not None else (self.zero.float() - 8 * scale).contiguous()
         bias = None if self.bias is None else self.bias.float().contiguous()
-        return Q8Form(nibbles, scale, mins, bias)
+        return Q8Form(nibbles, scale, mins, bias, exact=codes.exact_inputs)
 
     @classmethod
     def fused(cls, parts: Sequence[Int4Codes], bias: torch.Tensor | None = None) -> Int4Linear:
@@ -269,7 +287,7 @@ class Int4Linear:
             raise ValueError("fused int4 parts need the same planes and input permutation")
         return cls(Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                              torch.cat([p.zero for p in parts]), parts[0].act_dtype, parts[0].planes,
-                             parts[0].perm), bias)
+                             parts[0].perm, parts[0].exact_inputs), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
@@ -330,7 +348,8 @@ class Int4Linear:
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         q8 = self.q8
-        return cpu_int4_matmul.matmul(x, q8.nibbles, q8.scale, q8.mins, q8.bias)  # [M, out]
+        matmul = cpu_int4_matmul.matmul_exact if q8.exact else cpu_int4_matmul.matmul
+        return matmul(x, q8.nibbles, q8.scale, q8.mins, q8.bias)  # [M, out]
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense_packed:
@@ -423,9 +442,9 @@ def permute_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def same_inputs(parts: Sequence[Int4Codes]) -> bool:
-    """Whether `parts` can be one fused Int4Linear: the same planes, and the same input permutation."""
+    """Whether `parts` can be one fused Int4Linear: the same planes, input permutation and input precision."""
     first = parts[0]
-    return all(p.planes == first.planes and (p.perm is None) == (first.perm is None)
+    return all(p.planes == first.planes and p.exact_inputs == first.exact_inputs and (p.perm is None) == (first.perm is None)
                and (p.perm is None or torch.equal(p.perm, first.perm)) for p in parts)
 
 
@@ -466,7 +485,7 @@ def weights_for(checkpoint, config) -> tuple[dict[str, torch.Tensor | Int4Codes]
 
 def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtype,
                  from_file: dict[str, Int4Codes] | None = None,
-                 rtn_others: bool = True) -> dict[str, torch.Tensor | Int4Codes]:
+                 rtn_others: bool = True, exact_inputs: bool = False) -> dict[str, torch.Tensor | Int4Codes]:
     """`weights` with every projection (config.arch.projection_names) as 4-bit codes for `act_dtype`:
     the file's own (`from_file`, read from the GGUF: rows put back in HF order here, as the reader
     does) where it has them, round-to-nearest of the float weight otherwise (or, `rtn_others`
@@ -486,5 +505,5 @@ def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtyp
             if heads is not None:
                 order = unpermute_rope_rows(torch.arange(codes.shape[0])[:, None], heads)[:, 0]
                 codes = codes.rows(order)
-        out[name] = codes.for_dtype(act_dtype)
+        out[name] = codes.for_dtype(act_dtype, exact_inputs)
     return out

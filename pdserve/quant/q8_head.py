@@ -20,7 +20,7 @@ to bf16: the loaded weight's bits (it was rounded from the same products), witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ class Q8Head:
     scale: torch.Tensor  # [V, D / 32] float32
     dense: torch.Tensor | None = None  # [V, D] bf16: the plain weight for bf16 compute
     packed: torch.Tensor | None = None  # the bf16 weight in oneDNN's layout instead (`with_packed`)
+    exact_inputs: bool = False  # fp32: hidden states as they are (W8A32), not quantized to int8
 
     @classmethod
     def from_dense(cls, w: torch.Tensor) -> Q8Head:
@@ -126,7 +127,8 @@ class Q8Head:
                 return linear_packed(hidden, self.packed, None).float()
             return F.linear(hidden, self.dense).float()
         x = hidden.float()
-        y = cpu_int4_matmul.matmul_int8(x, self.codes, self.scale)
+        matmul = cpu_int4_matmul.matmul_int8_exact if self.exact_inputs else cpu_int4_matmul.matmul_int8
+        y = matmul(x, self.codes, self.scale)
         return F.linear(x, self.dequantize()) if y is None else y
 
 
@@ -140,11 +142,12 @@ def gguf_tensor_type(path: Path, name: str) -> str | None:
 def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str) -> dict[str, object]:
     """`weights` with the head (the embedding where tied) as a Q8Head where that keeps every weight
     as the file has it and a kernel for it runs: the file's head Q8_0, on the CPU, and either fp32
-    compute with weight format int4 (the fp32 int4 kernel's) or bf16 compute with packed projections
-    on a CPU with AVX512-BF16. Otherwise `weights` unchanged."""
+    compute with weight format int4 (the fp32 int4 kernel's int8 inputs) or int4-exact (the hidden
+    states as they are), or bf16 compute with packed projections on a CPU with AVX512-BF16.
+    Otherwise `weights` unchanged."""
     model = checkpoint.config
-    fp32 = weight_format == "int4" and config.dtype == "float32" and cpu_int4_matmul.available()
-    bf16 = weight_format in ("int4", "packed") and config.dtype == "bfloat16" and cpu_int4_matmul.bf16_available()
+    fp32 = weight_format in ("int4", "int4-exact") and config.dtype == "float32" and cpu_int4_matmul.available()
+    bf16 = weight_format in ("int4", "int4-exact", "packed") and config.dtype == "bfloat16" and cpu_int4_matmul.bf16_available()
     if not (fp32 or bf16) or not config.device.startswith("cpu") or checkpoint.source.suffix != ".gguf":
         return weights
     arch = model.arch
@@ -157,6 +160,8 @@ def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str
     if fp32:  # the loaded fp32 weight is the file's exactly: its codes re-derived, the file read once
         is_q8 = gguf_tensor_type(checkpoint.source, gguf_name) == "Q8_0"
         codes = Q8Head.from_dense(weights[name]) if is_q8 else None
+        if codes is not None and weight_format == "int4-exact":
+            codes = replace(codes, exact_inputs=True)
     else:  # the loaded weight is rounded to bf16: the codes from the file, its types read with them
         codes = Q8Head.from_file(checkpoint.source, gguf_name, weights[name])
         codes = None if codes is None else codes.with_packed()

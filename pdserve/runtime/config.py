@@ -15,10 +15,13 @@ COMPUTE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # --weight-format values: projections as dense float matrices, or as the GGUF file's codes packed
 # for the CPU int4 kernels (torch's in bf16/fp16, ours in fp32): int4 (Q4_0/Q4_1/Q4_K codes, pdserve.quant.int4_cpu)
 # or packed (also Q8_0/Q5_K as two 4-bit planes, Q6_K dequantized; pdserve.quant.gguf_packed);
-# auto: int4 when every projection is Q4_0/Q4_1, packed when all are packable, dense otherwise,
-# and only when the compute runs in bf16/fp16 on the CPU (int4 in fp32 is taken when asked for).
-WEIGHT_FORMATS = ("auto", "dense", "int4", "packed")
-PACKED_WEIGHT_FORMATS = ("int4", "packed")
+# int4-exact: the 4-bit codes with the inputs unquantized (fp32: our W4A32 kernel instead of int4's
+# int8 inputs, llama.cpp's method; bf16/fp16: torch's kernel without the few-row int8 path);
+# auto: in bf16/fp16 on the CPU int4 when every projection is Q4_0/Q4_1, packed when all are
+# packable; in fp32 on the CPU int4-exact when every projection is Q4_0/Q4_1; dense otherwise.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "int4-exact", "packed")
+PACKED_WEIGHT_FORMATS = ("int4", "int4-exact", "packed")
+FOUR_BIT_FORMATS = ("int4", "int4-exact")
 
 
 class ConfigError(ValueError):

@@ -167,7 +167,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     lib.decode_step.restype = ctypes.c_int
     for name, argtypes in (("int4_linear_f32", _INT4_LINEAR_ARGS), ("int4_linear_bf16", _INT4_LINEAR_ARGS),
-                           ("int8_linear_f32", _INT8_LINEAR_ARGS), ("int8_linear_bf16", _INT8_LINEAR_ARGS)):
+                           ("int8_linear_f32", _INT8_LINEAR_ARGS), ("int8_linear_bf16", _INT8_LINEAR_ARGS),
+                           ("int4_linear_exact_f32", _INT4_LINEAR_ARGS), ("int8_linear_exact_f32", _INT8_LINEAR_ARGS)):
         getattr(lib, f"{name}_threads").argtypes, getattr(lib, f"{name}_threads").restype = argtypes, ctypes.c_int
     lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int
     return lib

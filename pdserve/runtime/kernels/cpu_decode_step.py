@@ -55,7 +55,8 @@ class StepThreads:
 
 
 class _Int4Weights(ctypes.Structure):
-    _fields_ = [("codes", _P), ("scale", _P), ("mins", _P), ("bias", _P), ("out_features", _I), ("in_features", _I)]
+    _fields_ = [("codes", _P), ("scale", _P), ("mins", _P), ("bias", _P), ("out_features", _I), ("in_features", _I),
+                ("exact", _I)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -80,7 +81,7 @@ def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
     q8 = linear.q8
     bias = 0 if q8.bias is None else q8.bias.data_ptr()
     return _Int4Weights(q8.nibbles.data_ptr(), q8.scale.data_ptr(), q8.mins.data_ptr(), bias,
-                        linear.out_features, linear.in_features)
+                        linear.out_features, linear.in_features, int(q8.exact))
 
 
 def _norm_ptr(weight: torch.Tensor, dtype: torch.dtype) -> int | None:

@@ -51,6 +51,26 @@ def matmul(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: to
     return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_f32_threads, weights)
 
 
+def matmul_exact(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """As `matmul` with the inputs as they are (W4A32): each weight dequantized in registers
+    (q * scale + mins, one fma) times the fp32 input, so the result is the dequantized weight's
+    matmul to fp32 rounding, with no int8 quantization of x. None where the kernel does not apply."""
+    if not supports(x):
+        return None
+    weights = (nibbles.data_ptr(), scale.data_ptr(), mins.data_ptr(), 0 if bias is None else bias.data_ptr())
+    return _over_output_rows(x, nibbles.shape[0], cpu_attention.library().int4_linear_exact_f32_threads, weights)
+
+
+def matmul_int8_exact(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """As `matmul_int8` with the inputs as they are (W8A32): the dequantized weight's matmul to
+    fp32 rounding. None where the kernel does not apply."""
+    if not supports(x):
+        return None
+    return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_exact_f32_threads,
+                             (codes.data_ptr(), scale.data_ptr()))
+
+
 def matmul_bf16(x: torch.Tensor, nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """As `matmul` for x [M, K] bf16 -> y [M, N] bf16: x widened (exactly), the same int8 sums, plus

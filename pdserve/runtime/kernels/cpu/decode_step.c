@@ -46,6 +46,9 @@ int paged_attention_f32_f32(const float* q, float* out, float* scores, float sca
                             int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad);
 int int4_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
                     const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride);
+int int4_linear_exact_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                          const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, float* y,
+                          int64_t y_stride);
 void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* residual, const uint16_t* weight,
                        int64_t n, int64_t d, float eps, uint16_t* out, uint16_t* summed);
 int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
@@ -66,6 +69,7 @@ typedef struct {
     const float* mins;     // [out, in / 32]
     const float* bias;     // [out] or NULL
     int64_t out_features, in_features;
+    int64_t exact;  // fp32 steps: 1 the inputs as they are (int4_linear_exact_f32), 0 quantized to int8
 } Int4Weights;
 
 typedef struct {
@@ -247,8 +251,9 @@ static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x
         int4_linear_bf16((const uint16_t*)x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins,
                          w->bias, n0, n1, (uint16_t*)y, w->out_features);
     else
-        int4_linear_f32((const float*)x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins, w->bias,
-                        n0, n1, (float*)y, w->out_features);
+        (w->exact ? int4_linear_exact_f32 : int4_linear_f32)((const float*)x, m, w->in_features, w->in_features,
+                                                             w->codes, w->scale, w->mins, w->bias, n0, n1, (float*)y,
+                                                             w->out_features);
 }
 
 // Layer l of member `id` of `parts`: its input is the previous layer's MLP output b->down and the
