@@ -29,6 +29,7 @@ import torch
 
 from pdserve.quant.gptq_cpu import gptq_weights, has_gptq_weights
 from pdserve.quant.int4_cpu import GROUP, Int4Codes, pack_weights
+from pdserve.runtime.config import FOUR_BIT_FORMATS
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ def weights_for(checkpoint, config) -> tuple[dict[str, object], str]:
             return checkpoint.weights, "dense"  # float projections: packing would add quantization error
         four_bit = "int4" if packable else "int4-exact"
         fmt = four_bit if set(types.values()) <= {"Q4_0", "Q4_1"} else "packed"
-    if fmt in ("int4", "int4-exact"):
+    if fmt in FOUR_BIT_FORMATS:
         four = {n: int4_codes(c) for n, c in codes.items() if c.bits == 4}
         return pack_weights(checkpoint.weights, model, act, four, exact_inputs=fmt == "int4-exact"), fmt
     return packed_weights(checkpoint.weights, model, act, codes, types), "packed"

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.quant.int4_cpu import linear_packed, onednn_packed
+from pdserve.runtime.config import FOUR_BIT_FORMATS, PACKED_WEIGHT_FORMATS
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 GROUP = 32
@@ -146,8 +147,8 @@ def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str
     states as they are), or bf16 compute with packed projections on a CPU with AVX512-BF16.
     Otherwise `weights` unchanged."""
     model = checkpoint.config
-    fp32 = weight_format in ("int4", "int4-exact") and config.dtype == "float32" and cpu_int4_matmul.available()
-    bf16 = weight_format in ("int4", "int4-exact", "packed") and config.dtype == "bfloat16" and cpu_int4_matmul.bf16_available()
+    fp32 = weight_format in FOUR_BIT_FORMATS and config.dtype == "float32" and cpu_int4_matmul.available()
+    bf16 = weight_format in PACKED_WEIGHT_FORMATS and config.dtype == "bfloat16" and cpu_int4_matmul.bf16_available()
     if not (fp32 or bf16) or not config.device.startswith("cpu") or checkpoint.source.suffix != ".gguf":
         return weights
     arch = model.arch
