@@ -31,16 +31,23 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 # worker beside a decode worker, had the cores), this many steps run on one thread, which beats two
 # sharing one core (a one-sequence SmolLM2 step beside a busy process: 10.5 against 13.8 ms).
 LOADED_STEPS = 32
+# ... but only after this many such steps in a row: a single one is as often a cold step (the first
+# after a prefill, or after the KV of a new request was placed: its weights and cache out of the
+# CPU's caches) as a busy neighbour, and through the stack at one stream every request's first step
+# was one, so a quarter of a 128-token answer ran on one thread (SmolLM2 fp32, 2-core AVX2 EPYC:
+# 16.6 against 11.1 ms a step; TPOT 14.3 -> 12.9 ms with the one-thread steps off).
+LOADED_IN_A_ROW = 2
 
 
 class StepThreads:
     """How many threads the next step runs on: `wanted` (a count, or a function giving the count of
     the moment: the host's core share; 0: the calling thread's torch count), or one for LOADED_STEPS
-    steps after a step that found its cores taken."""
+    steps after LOADED_IN_A_ROW steps in a row that found their cores taken."""
 
     def __init__(self, wanted: int | Callable[[], int] = 0) -> None:
         self.wanted = wanted
         self.solo_steps = 0
+        self.loaded_in_a_row = 0
 
     def next(self) -> int:
         if self.solo_steps:
@@ -50,8 +57,9 @@ class StepThreads:
         return wanted or torch.get_num_threads()
 
     def after(self, loaded: bool) -> None:
-        if loaded:
-            self.solo_steps = LOADED_STEPS
+        self.loaded_in_a_row = self.loaded_in_a_row + 1 if loaded else 0
+        if self.loaded_in_a_row >= LOADED_IN_A_ROW:
+            self.solo_steps, self.loaded_in_a_row = LOADED_STEPS, 0
 
 
 class _Int4Weights(ctypes.Structure):
