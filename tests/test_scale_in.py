@@ -96,17 +96,14 @@ def _exit_after_sigterm(stack, name: str, timeout_s: float) -> float:
 
 
 def _await_holder(stack, streams: int, timeout_s: float = 60.0) -> str:
-    """The first decode worker seen running at least `streams` streams, polled until `timeout_s`.
+    """The first decode worker seen running at least `streams` streams (waited for until `timeout_s`).
     Why not wait until every stream has some tokens, then look: on a fast machine the first streams
     had finished all their tokens by then while the last were still in prefill, and the check saw
     no worker running any (CI, a 2-core AVX2 EPYC: `assert 0 >= 4`)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for name in ("decode-0", "decode-1"):
-            if _running(stack, name) >= streams:
-                return name
-        time.sleep(0.005)
-    raise AssertionError(f"no decode worker ran {streams} streams within {timeout_s} s")
+    holder = wait_until(lambda: next((name for name in ("decode-0", "decode-1")
+                                      if _running(stack, name) >= streams), None), timeout_s)
+    assert holder is not None, f"no decode worker ran {streams} streams within {timeout_s} s"
+    return holder
 
 
 def _log(stack, name: str) -> str:

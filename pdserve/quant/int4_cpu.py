@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed  # noqa: F401 (re-exported)
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
@@ -58,47 +59,18 @@ DENSE_COPY_FROM_ROWS_TWO_PLANES = 8
 # SmolLM2 layers' projections at one thread (Xeon, AMX): 8 rows 29.8 -> 18.4 ms, 32 rows 28.5 -> 22.5,
 # 200 rows 61.1 -> 35.9; torch's int4 kernel takes 19.2 ms at 8 rows, 28.4 at 12: dense from 8 rows.
 DENSE_PACKED_FROM_ROWS = 8
-PACKED_FOR_ROWS = 32  # the row count oneDNN lays the weight out for (any count runs on it)
 
 # Prompt rows' dense matmul in fp32 (Int4Linear._dense_row_invariant): oneDNN's, at least this many
 # rows (fewer take another kernel); without oneDNN, MKL's in chunks of exactly PROMPT_GEMM_ROWS rows.
 PROMPT_GEMM_MIN_ROWS = 16
 PROMPT_GEMM_ROWS = 32
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_LINEAR = ONEDNN_LINEAR  # a module attribute: tests turn the oneDNN path off here
 
 # In fp32 the C kernel's int8 inputs round differently from the dense matmul, so which of the two a
 # token takes must not depend on what else its step holds (other sequences, chunking, speculation,
 # the worker it runs on): a forward marks its rows, generated tokens on the kernel, prompt tokens
 # dense (the kept copy, else dequantized). Unmarked (outside a forward): by row count, as above.
 _generated_rows: contextvars.ContextVar[RowKinds | None] = contextvars.ContextVar("int4_rows", default=None)
-
-
-def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [out, in] bf16 / fp16 in oneDNN's blocked layout for `linear_packed` (an opaque tensor),
-    or None where torch has no oneDNN, the dtype is another, or the CPU has no oneDNN path for it
-    (oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2 CPU raises there)."""
-    if not (_ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
-            and _onednn_runs(weight.dtype)):
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_FOR_ROWS)
-
-
-@functools.cache
-def _onednn_runs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN lays out and multiplies `dtype` weights on this CPU (asked once, on a tiny weight)."""
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, 32, dtype=dtype), PACKED_FOR_ROWS)
-        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 32, dtype=dtype), packed, None, "none", [], "")
-    except RuntimeError:
-        return False
-    return True
-
-
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] @ W^T (+ bias) by oneDNN's linear, for W packed by `onednn_packed` (F.linear(x, W,
-    bias)'s bits) or a plain W (fp32 too: `_dense_row_invariant`)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.int4_cpu import linear_packed, onednn_packed
+from pdserve.quant.onednn_linear import linear_packed, onednn_packed
 from pdserve.runtime.config import FOUR_BIT_FORMATS, PACKED_WEIGHT_FORMATS
 from pdserve.runtime.kernels import cpu_int4_matmul
 
