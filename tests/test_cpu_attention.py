@@ -35,9 +35,11 @@ SHAPES = [(9, 3, 64), (8, 4, 8), (4, 4, 32), (6, 1, 40), (6, 2, 128), (16, 2, 64
 # MQA with a ragged dim; head dim 128, GQA 3 (registers) and 8 (more accumulators than registers: the portable pass)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
-def test_float32_equals_the_torch_path(heads, kv_heads, dim):
-    q, cache, tables, lens = _case(torch.float32, 7, heads, kv_heads, dim)
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(*shape, 16) for shape in SHAPES] + [
+    (9, 3, 64, 1), (9, 3, 64, 5), (9, 3, 64, 32), (24, 2, 64, 16), (12, 1, 128, 16)])  # fp32 AVX2 scores: tiles of
+# up to 8 rows of a block; values: GQA 12 (12 sums a pass) and MQA of 12 heads at head dim 128 (one chunk a pass)
+def test_float32_equals_the_torch_path(heads, kv_heads, dim, block_size):
+    q, cache, tables, lens = _case(torch.float32, 7, heads, kv_heads, dim, block_size=block_size)
     for layer in range(cache.shape[1]):
         got = cpu_attention.paged_decode_attention(q, cache, layer, tables, lens, dim ** -0.5)
         want = paged_decode_attention_torch(q, cache, layer, tables, lens, dim ** -0.5)
@@ -56,10 +58,11 @@ def test_bfloat16_is_as_close_to_fp32_as_the_torch_path(heads, kv_heads, dim, bl
     assert ours <= theirs + 2 ** -8 * reference.abs().max(), (ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_sequence_gets_the_same_bits_in_any_batch(threads):
+def test_a_sequence_gets_the_same_bits_in_any_batch(threads, dtype):
     """Per-sequence math in a fixed order: batched (and split over threads) equals alone, bit for bit."""
-    q, cache, tables, lens = _case(torch.bfloat16, 12, 9, 3, 64, seed=2)
+    q, cache, tables, lens = _case(dtype, 12, 9, 3, 64, seed=2)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -323,7 +323,24 @@ DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, scores_bf16_any,
 #else
 DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, paged_scores_bf16_bf16, paged_values_bf16_bf16)
 #endif
-DEFINE_ATTENTION(paged_attention_f32_f32, float, float, paged_scores_f32_f32, paged_values_f32_f32)
+// fp32 over fp32: the AVX2 passes (paged_attention_f32.c) where they apply, else the portable ones.
+int paged_scores_f32_avx2(const float* q, float* scores, float scale, KERNEL_ARGS(float));
+int paged_values_f32_avx2(const float* probs, float* out, KERNEL_ARGS(float));
+
+static int scores_f32_any(const float* q, float* scores, float scale, KERNEL_ARGS(float)) {
+    return paged_scores_f32_avx2(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                 kv_heads, dim, block_size, block_stride, offset, t_pad) &&
+           paged_scores_f32_f32(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                kv_heads, dim, block_size, block_stride, offset, t_pad);
+}
+
+static int values_f32_any(const float* probs, float* out, KERNEL_ARGS(float)) {
+    return paged_values_f32_avx2(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,
+                                 dim, block_size, block_stride, offset, t_pad) &&
+           paged_values_f32_f32(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
+                                block_size, block_stride, offset, t_pad);
+}
+DEFINE_ATTENTION(paged_attention_f32_f32, float, float, scores_f32_any, values_f32_any)
 DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)
 DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)
 
