@@ -180,13 +180,21 @@ static void attention_rows(const DecodeStep* s, const char* q, float* scores, co
 // process). Spinning long enough that an unloaded step never sleeps (BARRIER_SPIN_NS, longer than a
 // phase's imbalance: a sequence's attention beside the others' nothing) costs a loaded one that
 // long per barrier, so once any member has slept the step spins only BARRIER_SPIN_LOADED_NS. The
-// step tells its caller whether most of its waits ended asleep (loaded: measured 270 of 270 beside a
-// busy process, at most 71 unloaded, on a cold first step), so that it runs on one thread for a
-// while. Sense by generation count; the last to arrive wakes the sleepers, if any.
+// step tells its caller whether its members slept through more than LOADED_SLEEP_SHARE of it (a
+// core taken by another process), so that it runs on one thread for a while. Why time asleep and
+// not the count of waits that ended asleep (what this took before): one short preemption (the
+// worker's own gRPC threads, the gateway) makes the next barriers sleep too, at their short spin,
+// so at 32 sequences most waits of an unloaded step ended asleep while its members slept a few
+// percent of it; the step was taken as loaded and the last 20 s of a 32-stream benchmark ran on one
+// thread of two idle cores (SmolLM2 fp32, 2-core AVX2 EPYC). Sense by generation count; the last
+// to arrive wakes the sleepers, if any.
 typedef struct {
     atomic_int arrived, generation, sleepers, slept;
+    atomic_llong slept_ns;  // summed over the members
     int size;
 } SpinBarrier;
+
+#define LOADED_SLEEP_SHARE 4  // loaded: members asleep over 1/4 of the step (of size - 1 members' time)
 
 #define BARRIER_SPIN_NS 300000
 #define BARRIER_SPIN_LOADED_NS 20000
@@ -218,9 +226,11 @@ static void barrier_wait(SpinBarrier* b) {
     atomic_fetch_add_explicit(&b->slept, 1, memory_order_relaxed);
 #ifdef __linux__
     atomic_fetch_add_explicit(&b->sleepers, 1, memory_order_seq_cst);
+    const int64_t asleep = now_ns();
     while (atomic_load_explicit(&b->generation, memory_order_seq_cst) == gen)  // returns at once if it moved
         syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
     atomic_fetch_sub_explicit(&b->sleepers, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&b->slept_ns, now_ns() - asleep, memory_order_relaxed);
 #else
     while (atomic_load_explicit(&b->generation, memory_order_acquire) == gen) sched_yield();
 #endif
@@ -321,8 +331,8 @@ static void run_member(Team* t, int id) {
 // embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
 // of the calling thread's OpenMP team (fewer where OpenMP gives fewer). Returns 0; 1 where the
 // scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the attention does not
-// take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when most waits at the
-// barriers ended asleep (another process had the cores), else 0.
+// take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when its members slept
+// at the barriers through more than 1 / LOADED_SLEEP_SHARE of it (another process had the cores), else 0.
 int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* embeddings, void* out, int64_t threads,
                 int64_t* loaded) {
     for (int64_t r = 0; r < s->batch; r++)
@@ -339,15 +349,17 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     atomic_init(&t.barrier.generation, 0);
     atomic_init(&t.barrier.sleepers, 0);
     atomic_init(&t.barrier.slept, 0);
+    atomic_init(&t.barrier.slept_ns, 0);
     t.barrier.size = 1;
+    const int64_t start = now_ns();
 #pragma omp parallel num_threads(wanted)
     {
 #pragma omp single
         t.barrier.size = omp_get_num_threads();  // (the single's own barrier: every member sees it)
         run_member(&t, omp_get_thread_num());
     }
-    const int64_t waits = (int64_t)atomic_load(&t.barrier.generation) * (t.barrier.size - 1);
-    *loaded = 2 * (int64_t)atomic_load(&t.barrier.slept) > waits && waits > 0;
+    const int64_t others_ns = (now_ns() - start) * (t.barrier.size - 1);  // the time of all but one member
+    *loaded = LOADED_SLEEP_SHARE * (int64_t)atomic_load(&t.barrier.slept_ns) > others_ns && others_ns > 0;
     free(base);
     return 0;
 }
