@@ -6,7 +6,6 @@ it refuses."""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 
@@ -143,25 +142,6 @@ def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypa
     for a, b in zip(one_call["logits"], eager["logits"]):
         assert torch.equal(a, b)
     assert torch.equal(one_call["kv"], eager["kv"])
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two threads on one core are loaded")
-def test_a_step_alone_on_its_cores_is_not_taken_as_loaded(smollm2):
-    """Loaded is a core taken by another process, not the short preemptions any step sees: 24
-    sequences on two threads and nothing else running keep both threads (counting the waits that
-    ended asleep, as the step did before, put most such steps on one thread)."""
-    engine = Engine.from_checkpoint(smollm2, EngineConfig(cache=CacheConfig(num_blocks=256), dtype="float32",
-                                                          weight_format="int4-exact"))
-    plan = engine.runner.model.one_call_decode_step()
-    counts, next_count = [], plan.threads.next
-    plan.threads.next = lambda: counts.append(next_count()) or counts[-1]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for i in range(24):
-        engine.add_request(f"r{i}", smollm2.tokenizer.encode(f"Write a poem about the number {i}."), params)
-    with torch_threads(2):
-        while engine.has_unfinished():
-            engine.step()
-    assert len(counts) == 11 and set(counts) == {2}, counts
 
 
 def test_the_engines_step_threads_reach_the_plan(smollm2_bf16):
