@@ -15,7 +15,7 @@ import torch
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kernels import cpu_attention
-from pdserve.runtime.kernels.cpu_decode_step import LOADED_IN_A_ROW, LOADED_STEPS, DecodeStepPlan, StepThreads
+from pdserve.runtime.kernels.cpu_decode_step import LOADED_OF_WINDOW, LOADED_STEPS, DecodeStepPlan, StepThreads
 from pdserve.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler: the kernels cannot be built")
@@ -151,18 +151,18 @@ def test_the_engines_step_threads_reach_the_plan(smollm2_bf16):
     assert threads.next() == 3
 
 
-def test_after_steps_in_a_row_that_found_their_cores_taken_the_next_run_on_one_thread():
+def test_once_most_recent_steps_found_their_cores_taken_the_next_run_on_one_thread():
     threads = StepThreads()
     with torch_threads(2):
         assert threads.next() == 2
-        threads.after(loaded=False)
-        assert threads.next() == 2
-        threads.after(loaded=True)  # one alone: a cold step as often as a busy neighbour
-        assert threads.next() == 2
-        threads.after(loaded=False)
-        assert threads.next() == 2
-        for _ in range(LOADED_IN_A_ROW):
+        for loaded in [True, True, False, False] * 6 + [False] * 8:  # now and then (a cold step, a preemption)
+            threads.after(loaded=loaded)
+            assert threads.next() == 2
+        for _ in range(LOADED_OF_WINDOW - 1):  # a busy neighbour: every step loaded, but one
             threads.after(loaded=True)
+        threads.after(loaded=False)
+        assert threads.next() == 2
+        threads.after(loaded=True)
         assert [threads.next() for _ in range(LOADED_STEPS)] == [1] * LOADED_STEPS
         assert threads.next() == 2
     budget = [3]

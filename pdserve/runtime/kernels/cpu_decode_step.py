@@ -31,23 +31,26 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 # worker beside a decode worker, had the cores), this many steps run on one thread, which beats two
 # sharing one core (a one-sequence SmolLM2 step beside a busy process: 10.5 against 13.8 ms).
 LOADED_STEPS = 32
-# ... but only after this many such steps in a row: a single one is as often a cold step (the first
-# after a prefill, or after the KV of a new request was placed: its weights and cache out of the
-# CPU's caches) as a busy neighbour, and through the stack at one stream every request's first step
-# was one, so a quarter of a 128-token answer ran on one thread (SmolLM2 fp32, 2-core AVX2 EPYC:
-# 16.6 against 11.1 ms a step; TPOT 14.3 -> 12.9 ms with the one-thread steps off).
-LOADED_IN_A_ROW = 2
+# ... but only after LOADED_OF_WINDOW of the last LOADED_WINDOW steps were such steps. A single one
+# is as often a cold step (the first after a prefill, or after the KV of a new request was placed)
+# or a short preemption (the gateway, the worker's own gRPC threads) as a busy neighbour. Two in a
+# row (what this took before) came every hundred steps or so through the stack at one stream, and
+# each put the next 32 on one thread: 43% of a run's steps (SmolLM2 fp32, 2-core AVX2 EPYC; TPOT
+# 14.1 ms, against 9.5 ms a step on two threads). A neighbour that keeps a core busy makes nearly
+# every step loaded, and still meets the window within a few steps.
+LOADED_WINDOW = 8
+LOADED_OF_WINDOW = 6
 
 
 class StepThreads:
     """How many threads the next step runs on: `wanted` (a count, or a function giving the count of
     the moment: the host's core share; 0: the calling thread's torch count), or one for LOADED_STEPS
-    steps after LOADED_IN_A_ROW steps in a row that found their cores taken."""
+    steps once LOADED_OF_WINDOW of the last LOADED_WINDOW steps found their cores taken."""
 
     def __init__(self, wanted: int | Callable[[], int] = 0) -> None:
         self.wanted = wanted
         self.solo_steps = 0
-        self.loaded_in_a_row = 0
+        self.recent = 0  # the last LOADED_WINDOW steps run on `wanted`, a bit each: 1 = loaded
 
     def next(self) -> int:
         if self.solo_steps:
@@ -57,9 +60,9 @@ class StepThreads:
         return wanted or torch.get_num_threads()
 
     def after(self, loaded: bool) -> None:
-        self.loaded_in_a_row = self.loaded_in_a_row + 1 if loaded else 0
-        if self.loaded_in_a_row >= LOADED_IN_A_ROW:
-            self.solo_steps, self.loaded_in_a_row = LOADED_STEPS, 0
+        self.recent = ((self.recent << 1) | int(loaded)) & ((1 << LOADED_WINDOW) - 1)
+        if self.recent.bit_count() >= LOADED_OF_WINDOW:
+            self.solo_steps, self.recent = LOADED_STEPS, 0
 
 
 class _Int4Weights(ctypes.Structure):
