@@ -78,12 +78,13 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
 
 
 @pytest.mark.parametrize("batch,threads,weight_format", [(1, 1, "int4"), (5, 1, "int4"), (5, 2, "int4"),
-                                                         (1, 1, "int4-exact"), (5, 2, "int4-exact")])
+                                                         (1, 2, "int4-exact"), (5, 2, "int4-exact")])
 def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, threads, weight_format, monkeypatch):
     """On the same thread count (the prompts' dense GEMM rounds by it), decode steps in C and the eager
     layers, each on an engine of its own (the same blocks, no prefix cached from the other). Prompts of
     several lengths put contexts across block boundaries (16-token blocks); two threads split every
-    phase of the C step (5 sequences: 3 and 2). int4-exact: the step's projections on the W4A32 kernel."""
+    phase of the C step (5 sequences: 3 and 2, their attention's 15 (sequence, kv head) pairs 7 and 8;
+    one sequence: its 3 kv heads 1 and 2). int4-exact: the step's projections on the W4A32 kernel."""
     prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (3 * i)) for i in range(batch)]
     with torch_threads(threads):
         one_call = _decode_trace(_int4_engine(smollm2, weight_format=weight_format), prompts, 12, monkeypatch,

@@ -40,10 +40,10 @@ void silu_mul_f32(const float* gate_up, int64_t stride, int64_t n, int64_t inter
 int kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
                   int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset,
                   int64_t num_slots);
-int paged_attention_f32_f32(const float* q, float* out, float* scores, float scale, const float* cache,
-                            const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
-                            int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                            int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad);
+int paged_attention_f32_f32_heads(const float* q, float* out, float* scores, float scale, const float* cache,
+                                  const int64_t* table, const int64_t* len, int64_t max_blocks, int64_t heads,
+                                  int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride,
+                                  int64_t k_offset, int64_t v_offset, int64_t t_pad, int64_t g0, int64_t g1);
 int int4_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
                     const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride);
 int int4_linear_exact_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
@@ -54,10 +54,11 @@ void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* resi
 int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
               const float* cos, const float* sin, int64_t max_positions, uint16_t* out);
 void silu_mul_bf16(const uint16_t* gate_up, int64_t stride, int64_t n, int64_t inter, uint16_t* out);
-int paged_attention_bf16_bf16(const uint16_t* q, uint16_t* out, float* scores, float scale, const uint16_t* cache,
-                              const int64_t* block_tables, const int64_t* context_lens, int64_t batch,
-                              int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                              int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad);
+int paged_attention_bf16_bf16_heads(const uint16_t* q, uint16_t* out, float* scores, float scale,
+                                    const uint16_t* cache, const int64_t* table, const int64_t* len,
+                                    int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,
+                                    int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
+                                    int64_t t_pad, int64_t g0, int64_t g1);
 int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride);
@@ -157,21 +158,6 @@ static void silu_rows(const DecodeStep* s, const char* gate_up, int64_t n, char*
         silu_mul_f32((const float*)gate_up, 2 * I, n, I, (float*)out);
 }
 
-// Decode attention of n sequences over layer l of the cache (its K rows, then its V rows a block
-// further), scores in `scores`.
-static void attention_rows(const DecodeStep* s, const char* q, float* scores, const int64_t* tables,
-                           const int64_t* lens, int64_t n, int64_t l, char* out) {
-    const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd;
-    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row, t_pad = s->max_blocks * s->block_size;
-    const int64_t k_offset = l * 2 * s->block_size * row, v_offset = (l * 2 + 1) * s->block_size * row;
-    if (s->bf16)
-        paged_attention_bf16_bf16((const uint16_t*)q, (uint16_t*)out, scores, s->scale, s->cache, tables, lens, n,
-                                  s->max_blocks, H, KVH, hd, s->block_size, block_stride, k_offset, v_offset, t_pad);
-    else
-        paged_attention_f32_f32((const float*)q, (float*)out, scores, s->scale, s->cache, tables, lens, n,
-                                s->max_blocks, H, KVH, hd, s->block_size, block_stride, k_offset, v_offset, t_pad);
-}
-
 // A barrier of the step's threads: spun on (the others' part of a phase is microseconds away), then
 // slept on (a futex). Why sleep and not sched_yield: when another process keeps a core busy (the
 // prefill worker beside this one), a member waiting here must free its core for the member that was
@@ -251,6 +237,37 @@ static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, 
     *hi = part_start(total, id + 1, parts, align);
 }
 
+// Decode attention of kv heads [g0, g1) of sequence r over layer l of the cache (its K rows, then
+// its V rows a block further): the query heads of those kv heads, each as over all heads at once.
+static void attention_heads(const DecodeStep* s, const Scratch* b, int64_t r, int64_t l, int64_t g0, int64_t g1) {
+    const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd;
+    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row, t_pad = s->max_blocks * s->block_size;
+    const int64_t k_offset = l * 2 * s->block_size * row, v_offset = (l * 2 + 1) * s->block_size * row;
+    const int64_t *table = s->block_tables + r * s->max_blocks, *len = s->context_lens + r;
+    float* scores = b->scores + r * H * t_pad;
+    if (s->bf16)
+        paged_attention_bf16_bf16_heads((const uint16_t*)AT(b->q, r * H * hd), (uint16_t*)AT(b->attn, r * H * hd),
+                                        scores, s->scale, s->cache, table, len, s->max_blocks, H, KVH, hd,
+                                        s->block_size, block_stride, k_offset, v_offset, t_pad, g0, g1);
+    else
+        paged_attention_f32_f32_heads((const float*)AT(b->q, r * H * hd), (float*)AT(b->attn, r * H * hd), scores,
+                                      s->scale, s->cache, table, len, s->max_blocks, H, KVH, hd, s->block_size,
+                                      block_stride, k_offset, v_offset, t_pad, g0, g1);
+}
+
+// Member id's share of layer l's attention: the (sequence, kv head) pairs split over the members, so
+// that a step of fewer sequences than threads still spreads (one sequence: its 3 kv heads on 2).
+static void attention_part(const DecodeStep* s, const Scratch* b, int64_t l, int id, int parts) {
+    int64_t u0, u1;
+    share(s->batch * s->kv_heads, id, parts, 1, &u0, &u1);
+    for (int64_t u = u0; u < u1;) {
+        const int64_t r = u / s->kv_heads, g0 = u % s->kv_heads;
+        const int64_t g1 = s->kv_heads < g0 + u1 - u ? s->kv_heads : g0 + u1 - u;
+        attention_heads(s, b, r, l, g0, g1);
+        u += g1 - g0;
+    }
+}
+
 // A projection's output rows split over the team (aligned to the kernel's 2-row tiles).
 static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int id,
                         int parts) {
@@ -268,12 +285,12 @@ static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x
 
 // Layer l of member `id` of `parts`: its input is the previous layer's MLP output b->down and the
 // residual stream before it (layer 0: the embeddings, in b->residual); its own MLP output goes to
-// b->down. Rows (row operations, attention's sequences) and output features (projections) are
-// split over the members, a barrier after each phase; every value is computed as on one thread.
+// b->down. Rows (row operations), (sequence, kv head) pairs (attention) and output features (projections)
+// are split over the members, a barrier after each phase; every value is computed as on one thread.
 static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b, int id, int parts,
                        SpinBarrier* bar) {
     const int64_t D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads, I = s->intermediate;
-    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd, t_pad = s->max_blocks * s->block_size, es = b->es;
+    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd, es = b->es;
     const int64_t block_stride = s->cache_layers * 2 * s->block_size * row;  // cache elements
     int64_t r0, r1;
     share(s->batch, id, parts, 1, &r0, &r1);
@@ -294,9 +311,7 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
                       l * 2 * s->block_size * row * es, s->cache_blocks * s->block_size);  // slots checked before
     }
     barrier_wait(bar);
-    if (n)  // shapes checked before the step
-        attention_rows(s, AT(b->q, r0 * H * hd), b->scores + r0 * H * t_pad, s->block_tables + r0 * s->max_blocks,
-                       s->context_lens + r0, n, l, AT(b->attn, r0 * H * hd));
+    attention_part(s, b, l, id, parts);  // shapes checked before the step
     barrier_wait(bar);
     linear_part(s, &w->o, b->attn, s->batch, b->o, id, parts);
     barrier_wait(bar);

@@ -57,6 +57,8 @@ static inline float dot(const float* a, const float* b, int64_t n) {
 // ahead (the cache is far larger than the CPU caches: this pass is bound by memory, not arithmetic).
 // Offsets and strides are in cache elements; `chunk` is one (block, layer, k/v) run of `chunk_rows`
 // rows: the block's tokens, then (INT8 codes) a scale row holding one fp32 per head at its D slot.
+// `row` is a token's stride (every kv head's D values); a call may take a span of the kv heads
+// (`kv_heads` of them, `offset` at the first one's D slot, `heads` their query heads).
 
 static inline void load_row_i8(const int8_t* src, float* dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = (float)src[i];
@@ -73,7 +75,7 @@ static inline void prefetch_next(const char* next, int64_t bytes) {
     if (slot == 0 && t + block_size < len)                                                                    \
         prefetch_next((const char*)(cache + table[t / block_size + 1] * block_stride + offset),               \
                       block_size * row * (int64_t)sizeof(TC));                                                \
-    LOADC(chunk + slot * row, dst, row);                                                                      \
+    LOADC(chunk + slot * row, dst, kv_heads * dim);                                                           \
     if (SCALED)                                                                                               \
         for (int64_t h = 0; h < kv_heads; h++) {                                                              \
             float sc;                                                                                         \
@@ -84,11 +86,11 @@ static inline void prefetch_next(const char* next, int64_t bytes) {
 #define KERNEL_ARGS(TC)                                                                                       \
     const TC *cache, const int64_t *block_tables, const int64_t *context_lens, int64_t batch,                 \
         int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,                 \
-        int64_t block_stride, int64_t offset, int64_t t_pad
+        int64_t block_stride, int64_t offset, int64_t t_pad, int64_t row
 
 // Shared by both kernels: sizes checked against the fixed buffers, then each sequence's length and table.
 #define KERNEL_PROLOGUE                                                                                       \
-    int64_t group = heads / kv_heads, row = kv_heads * dim;                                                   \
+    int64_t group = heads / kv_heads;                                                                         \
     if (dim > MAX_HEAD_DIM || heads > MAX_HEADS) return 1;
 #define SEQUENCE_PROLOGUE                                                                                     \
     int64_t len = context_lens[b];                                                                            \
@@ -185,7 +187,7 @@ static inline __m512 sums16(const __m512 v[16]) {
 // with the 16 keys, then one transposing reduction (sums16). A token's score is the same sum
 // whatever the batch (its lane and its run are fixed by its position in its own sequence).
 static void scores_bf16_dot(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(uint16_t)) {
-    const int64_t row = kv_heads * dim, group = heads / kv_heads;
+    const int64_t group = heads / kv_heads;
     const __m512 scale16 = _mm512_set1_ps(scale);
     for (int64_t b = 0; b < batch; b++) {
         SEQUENCE_PROLOGUE
@@ -259,7 +261,7 @@ static inline __attribute__((always_inline)) void values_one_kv_head(
 }
 
 static void values_bf16_dot(const float* probs, uint16_t* out, KERNEL_ARGS(uint16_t)) {
-    const int64_t row = kv_heads * dim, group = heads / kv_heads, per_head = dim / 16;
+    const int64_t group = heads / kv_heads, per_head = dim / 16;
     for (int64_t b = 0; b < batch; b++) {
         SEQUENCE_PROLOGUE
         const float* p = probs + b * heads * t_pad;
@@ -267,7 +269,7 @@ static void values_bf16_dot(const float* probs, uint16_t* out, KERNEL_ARGS(uint1
         for (int64_t g = 0; g < kv_heads; g++) {
 #define VALUES_CASE(G, PH)                                                                                   \
     case G * 100 + PH:                                                                                        \
-        values_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad); \
+        values_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad, row); \
         break;
             switch (group * 100 + per_head) {  // head dims 64 and 128, GQA groups 1-6 and 1-3
                 VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4)
@@ -284,19 +286,34 @@ static void values_bf16_dot(const float* probs, uint16_t* out, KERNEL_ARGS(uint1
 
 void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_len, const int64_t* lens);  // layer_ops.c
 
-// One call: scores into `scores` ([B, H, T_pad] scratch), their softmax in place, then out. k_offset
-// and v_offset: where the layer's keys and values start in a block (cache elements).
+// One sequence's query heads of kv heads [g0, g1) (q, out: its [H, D]; scores: its [H, T_pad]
+// scratch): their scores, the softmax in place, then out, each head as a call over all heads computes
+// it. k_offset and v_offset: where the layer's keys and values start in a block (cache elements).
+// `NAME` runs every head of B sequences; `NAME##_heads` (the one-call decode step's, when it has
+// fewer sequences than threads) a span of one sequence's.
 #define DEFINE_ATTENTION(NAME, TQ, TC, SCORES, VALUES)                                                       \
+    int NAME##_heads(const TQ* q, TQ* out, float* scores, float scale, const TC* cache, const int64_t* table,  \
+                     const int64_t* len, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,      \
+                     int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad, \
+                     int64_t g0, int64_t g1) {                                                                \
+        const int64_t group = heads / kv_heads, h0 = g0 * group, n = (g1 - g0) * group, row = kv_heads * dim;  \
+        if (SCORES(q + h0 * dim, scores + h0 * t_pad, scale, cache, table, len, 1, max_blocks, n, g1 - g0, dim,  \
+                   block_size, block_stride, k_offset + g0 * dim, t_pad, row))                                \
+            return 1;                                                                                         \
+        softmax_rows_f32(scores + h0 * t_pad, n, t_pad, n, len);                                              \
+        return VALUES(scores + h0 * t_pad, out + h0 * dim, cache, table, len, 1, max_blocks, n, g1 - g0, dim,   \
+                      block_size, block_stride, v_offset + g0 * dim, t_pad, row);                             \
+    }                                                                                                         \
     int NAME(const TQ* q, TQ* out, float* scores, float scale, const TC* cache, const int64_t* block_tables,  \
              const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads, int64_t kv_heads,  \
              int64_t dim, int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,        \
              int64_t t_pad) {                                                                                 \
-        if (SCORES(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,  \
-                   dim, block_size, block_stride, k_offset, t_pad))                                           \
-            return 1;                                                                                         \
-        softmax_rows_f32(scores, batch * heads, t_pad, heads, context_lens);                                  \
-        return VALUES(scores, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim, \
-                      block_size, block_stride, v_offset, t_pad);                                             \
+        for (int64_t b = 0; b < batch; b++)                                                                   \
+            if (NAME##_heads(q + b * heads * dim, out + b * heads * dim, scores + b * heads * t_pad, scale, cache, \
+                             block_tables + b * max_blocks, context_lens + b, max_blocks, heads, kv_heads, dim,   \
+                             block_size, block_stride, k_offset, v_offset, t_pad, 0, kv_heads))               \
+                return 1;                                                                                     \
+        return 0;                                                                                             \
     }
 
 // Names: paged_attention_<query dtype>_<cache dtype>.
@@ -305,18 +322,18 @@ void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_le
 static int scores_bf16_any(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(uint16_t)) {
     if (!bf16_dot_applies(heads, kv_heads, dim))
         return paged_scores_bf16_bf16(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                      kv_heads, dim, block_size, block_stride, offset, t_pad);
+                                      kv_heads, dim, block_size, block_stride, offset, t_pad, row);
     scores_bf16_dot(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
-                    block_size, block_stride, offset, t_pad);
+                    block_size, block_stride, offset, t_pad, row);
     return 0;
 }
 
 static int values_bf16_any(const float* probs, uint16_t* out, KERNEL_ARGS(uint16_t)) {
     if (!bf16_dot_applies(heads, kv_heads, dim))
         return paged_values_bf16_bf16(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                      kv_heads, dim, block_size, block_stride, offset, t_pad);
+                                      kv_heads, dim, block_size, block_stride, offset, t_pad, row);
     values_bf16_dot(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
-                    block_size, block_stride, offset, t_pad);
+                    block_size, block_stride, offset, t_pad, row);
     return 0;
 }
 DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, scores_bf16_any, values_bf16_any)
@@ -329,16 +346,16 @@ int paged_values_f32_avx2(const float* probs, float* out, KERNEL_ARGS(float));
 
 static int scores_f32_any(const float* q, float* scores, float scale, KERNEL_ARGS(float)) {
     return paged_scores_f32_avx2(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                 kv_heads, dim, block_size, block_stride, offset, t_pad) &&
+                                 kv_heads, dim, block_size, block_stride, offset, t_pad, row) &&
            paged_scores_f32_f32(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                kv_heads, dim, block_size, block_stride, offset, t_pad);
+                                kv_heads, dim, block_size, block_stride, offset, t_pad, row);
 }
 
 static int values_f32_any(const float* probs, float* out, KERNEL_ARGS(float)) {
     return paged_values_f32_avx2(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,
-                                 dim, block_size, block_stride, offset, t_pad) &&
+                                 dim, block_size, block_stride, offset, t_pad, row) &&
            paged_values_f32_f32(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
-                                block_size, block_stride, offset, t_pad);
+                                block_size, block_stride, offset, t_pad, row);
 }
 DEFINE_ATTENTION(paged_attention_f32_f32, float, float, scores_f32_any, values_f32_any)
 DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)

@@ -8,8 +8,9 @@
 // order fixed by its own positions: its output depends on nothing else in the batch.
 //
 // Cache layout as paged_attention.c's: [num_blocks, layers, 2, rows, KVH, D]; `offset` is where the
-// layer's K (or V) rows start in a block, in floats. Both return 1 where they do not apply (no AVX2,
-// a head dim not a multiple of 8): the caller runs the portable passes.
+// layer's K (or V) rows start in a block, in floats, at the first of the call's `kv_heads` (a span
+// of a token's, whose stride is `row`). Both return 1 where they do not apply (no AVX2, a head dim
+// not a multiple of 8): the caller runs the portable passes.
 #include <stdint.h>
 #include <string.h>
 
@@ -35,9 +36,9 @@ static inline void prefetch_bytes(const char* p, int64_t lo, int64_t hi) {
 int paged_scores_f32_avx2(const float* q, float* scores, float scale, const float* cache, const int64_t* block_tables,
                           const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride, int64_t offset,
-                          int64_t t_pad) {
+                          int64_t t_pad, int64_t row) {
     if (dim % 8 != 0 || heads % kv_heads != 0) return 1;
-    const int64_t row = kv_heads * dim, group = heads / kv_heads;
+    const int64_t group = heads / kv_heads;
     const int64_t block_bytes = block_size * row * (int64_t)sizeof(float);
     const int64_t share_bytes = (block_bytes / heads + 63) / 64 * 64;  // of the next block, fetched per head
     const __m256 scale8 = _mm256_set1_ps(scale);
@@ -114,10 +115,10 @@ static int64_t chunks_per_pass(int64_t G, int64_t per_head) {
 int paged_values_f32_avx2(const float* probs, float* out, const float* cache, const int64_t* block_tables,
                           const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride, int64_t offset,
-                          int64_t t_pad) {
+                          int64_t t_pad, int64_t row) {
     const int64_t group = heads / kv_heads, per_head = dim / 8;
     if (dim % 8 != 0 || heads % kv_heads != 0 || group > MAX_ACC) return 1;
-    const int64_t row = kv_heads * dim, nc = chunks_per_pass(group, per_head);
+    const int64_t nc = chunks_per_pass(group, per_head);
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = context_lens[b], *table = block_tables + b * max_blocks;
         const float* p = probs + b * heads * t_pad;
@@ -147,14 +148,14 @@ int paged_values_f32_avx2(const float* probs, float* out, const float* cache, co
 int paged_scores_f32_avx2(const float* q, float* scores, float scale, const float* cache, const int64_t* block_tables,
                           const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride, int64_t offset,
-                          int64_t t_pad) {
+                          int64_t t_pad, int64_t row) {
     return 1;
 }
 
 int paged_values_f32_avx2(const float* probs, float* out, const float* cache, const int64_t* block_tables,
                           const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride, int64_t offset,
-                          int64_t t_pad) {
+                          int64_t t_pad, int64_t row) {
     return 1;
 }
 #endif
