@@ -147,3 +147,32 @@ def test_the_library_splits_work_on_torchs_own_openmp_runtime():
     packages' own renamed copies, sentencepiece's, are theirs.)"""
     mapped = {line.split()[-1] for line in open("/proc/self/maps") if line.rstrip().endswith("/libgomp.so.1")}
     assert len(mapped) == 1, mapped
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_span_of_kv_heads_equals_the_whole_call(dtype):
+    """The one-call decode step splits one sequence's attention by kv heads (`paged_attention_*_heads`):
+    heads [0, 1) then [1, 3) give the bits of [0, 3), which are the threaded entry point's."""
+    import ctypes
+
+    q, cache, tables, lens = _case(dtype, 3, 9, 3, 64, seed=4)
+    heads_of = getattr(cpu_attention.library(), f"paged_attention_{'bf16_bf16' if dtype == torch.bfloat16 else 'f32_f32'}_heads")
+    heads_of.restype = ctypes.c_int
+    layers, block = cache.shape[1], cache.shape[3]
+    chunk, t_pad = block * 3 * 64, tables.shape[1] * block
+    for b in range(len(lens)):
+        def attention(spans):
+            out, scores = torch.zeros(9, 64, dtype=dtype), torch.zeros(9, t_pad)
+            table, length = tables[b].contiguous(), lens[b:b + 1].contiguous()
+            for g0, g1 in spans:
+                sizes = (tables.shape[1], 9, 3, 64, block, layers * 2 * chunk, 2 * chunk, 3 * chunk, t_pad, g0, g1)
+                assert heads_of(ctypes.c_void_p(q[b].data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                ctypes.c_void_p(scores.data_ptr()), ctypes.c_float(0.125),
+                                ctypes.c_void_p(cache.data_ptr()), ctypes.c_void_p(table.data_ptr()),
+                                ctypes.c_void_p(length.data_ptr()), *map(ctypes.c_int64, sizes)) == 0
+            return out
+
+        whole = attention([(0, 3)])
+        assert torch.equal(attention([(0, 1), (1, 3)]), whole)
+        assert torch.equal(whole, cpu_attention.paged_decode_attention(q[b:b + 1], cache, 1, tables[b:b + 1], lens[b:b + 1],
+                                                                       0.125)[0])

@@ -269,7 +269,7 @@ static void values_bf16_dot(const float* probs, uint16_t* out, KERNEL_ARGS(uint1
         for (int64_t g = 0; g < kv_heads; g++) {
 #define VALUES_CASE(G, PH)                                                                                   \
     case G * 100 + PH:                                                                                        \
-        values_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad, row); \
+        values_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad); \
         break;
             switch (group * 100 + per_head) {  // head dims 64 and 128, GQA groups 1-6 and 1-3
                 VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4)
