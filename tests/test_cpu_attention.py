@@ -156,7 +156,8 @@ def test_a_span_of_kv_heads_equals_the_whole_call(dtype):
     import ctypes
 
     q, cache, tables, lens = _case(dtype, 3, 9, 3, 64, seed=4)
-    heads_of = getattr(cpu_attention.library(), f"paged_attention_{'bf16_bf16' if dtype == torch.bfloat16 else 'f32_f32'}_heads")
+    kernel = "bf16_bf16" if dtype == torch.bfloat16 else "f32_f32"
+    heads_of = getattr(cpu_attention.library(), f"paged_attention_{kernel}_heads")
     heads_of.restype = ctypes.c_int
     layers, block = cache.shape[1], cache.shape[3]
     chunk, t_pad = block * 3 * 64, tables.shape[1] * block
@@ -174,5 +175,5 @@ def test_a_span_of_kv_heads_equals_the_whole_call(dtype):
 
         whole = attention([(0, 3)])
         assert torch.equal(attention([(0, 1), (1, 3)]), whole)
-        assert torch.equal(whole, cpu_attention.paged_decode_attention(q[b:b + 1], cache, 1, tables[b:b + 1], lens[b:b + 1],
-                                                                       0.125)[0])
+        threaded = cpu_attention.paged_decode_attention(q[b:b + 1], cache, 1, tables[b:b + 1], lens[b:b + 1], 0.125)
+        assert torch.equal(whole, threaded[0])

@@ -97,7 +97,8 @@ static inline __attribute__((always_inline)) void values_pass(
         const float* v = chunk + slot * row + g * dim + c0 * 8;
         for (int64_t j = 0; j < G; j++) {
             const __m256 w = _mm256_set1_ps(p[(g * G + j) * t_pad + t]);
-            for (int64_t c = 0; c < NC; c++) acc[j * NC + c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), acc[j * NC + c]);
+            for (int64_t c = 0; c < NC; c++)
+                acc[j * NC + c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), acc[j * NC + c]);
         }
     }
     for (int64_t j = 0; j < G; j++)
