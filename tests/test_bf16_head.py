@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.int4_cpu import DENSE_COPY_FROM_ROWS, DENSE_PACKED_FROM_ROWS, Int4Linear, onednn_packed
+from pdserve.quant.int4_cpu import DENSE_COPY_FROM_ROWS, DENSE_PACKED_FROM_ROWS, Int4Linear
+from pdserve.quant.onednn_linear import onednn_packed
 from pdserve.quant.q8_head import BF16_KERNEL_BELOW_ROWS, Q8Head
 from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.runtime.engine import Engine

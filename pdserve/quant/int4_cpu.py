@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed  # noqa: F401 (re-exported)
+from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
