@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,11 +44,13 @@ def int4_engine(smollm2) -> Engine:
     return _int4_engine(smollm2)
 
 
-def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypatch, one_call: bool) -> dict:
+def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypatch, one_call: bool,
+                  arrive_every: int = 0) -> dict:
     """Every forward's output and logits of greedy requests from `prompts`, the tokens, the final KV
-    cache, and how many steps the C step ran (none unless `one_call`)."""
+    cache, and how many steps the C step ran (none unless `one_call`). Requests arrive together, or
+    one every `arrive_every` steps (later prompts then share a step with earlier requests' decodes)."""
     model = engine.runner.model
-    runs, hidden = [0], []
+    runs, hidden, mixed = [0], [], [0]
     plan_run = DecodeStepPlan.run
 
     def counted(self, *args):
@@ -55,6 +58,8 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
         return plan_run(self, *args)
 
     def recorded(*args):
+        meta = args[2]
+        mixed[0] += bool(meta.num_decode_tokens and meta.prefills)
         out = type(model).forward(model, *args)
         hidden.append(out.clone())
         return out
@@ -64,17 +69,21 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
     if not one_call:
         monkeypatch.setattr(model, "one_call_decode_step", lambda: None)
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
+    waiting = list(enumerate(prompts))
     tokens: dict[str, list[int]] = {}
     logits = []
-    while engine.has_unfinished():
+    step = 0
+    while waiting or engine.has_unfinished():
+        while waiting and step >= waiting[0][0] * arrive_every:
+            i, ids = waiting.pop(0)
+            engine.add_request(f"r{i}", ids, params)
+        step += 1
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         logits.append(engine.last_logits.clone())
     monkeypatch.undo()
     return {"hidden": hidden, "logits": logits, "tokens": tokens, "kv": engine.runner.kv_cache.clone(),
-            "c_steps": runs[0]}
+            "c_steps": runs[0], "mixed_steps": mixed[0]}
 
 
 @pytest.mark.parametrize("batch,threads,weight_format", [(1, 1, "int4"), (5, 1, "int4"), (5, 2, "int4"),
@@ -99,6 +108,54 @@ def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, thr
     for a, b in zip(one_call["logits"], eager["logits"]):
         assert torch.equal(a, b)
     assert torch.equal(one_call["kv"], eager["kv"])
+
+
+def test_a_step_that_admits_a_prompt_runs_its_decodes_in_c_with_the_eager_bits(smollm2, monkeypatch):
+    """A prompt arrives every 3 steps: those steps hold decodes and a prompt chunk; the decode rows go
+    to the C step, the prompt's through the layers (model._split_forward), with the bits of the whole
+    step run eagerly (W4A32: each kind of row on a function of its own, the kernel or the dense GEMM)."""
+    prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * i) for i in range(4)]
+    with torch_threads(2):
+        one_call = _decode_trace(_int4_engine(smollm2, weight_format="int4-exact"), prompts, 8, monkeypatch,
+                                 one_call=True, arrive_every=3)
+        eager = _decode_trace(_int4_engine(smollm2, weight_format="int4-exact"), prompts, 8, monkeypatch,
+                              one_call=False, arrive_every=3)
+    assert one_call["mixed_steps"] == 3 and eager["c_steps"] == 0
+    assert one_call["c_steps"] == len(one_call["hidden"]) - 1  # every step but the first prompt's alone
+    assert one_call["tokens"] == eager["tokens"]
+    for a, b in zip(one_call["hidden"], eager["hidden"]):
+        assert torch.equal(a, b)
+    for a, b in zip(one_call["logits"], eager["logits"]):
+        assert torch.equal(a, b)
+    assert torch.equal(one_call["kv"], eager["kv"])
+
+
+def test_a_step_splits_into_its_generated_decodes_and_the_rest():
+    """Rows: a generated decode, a resumed request's last prompt token (a decode row of a prompt
+    token), another generated decode, then a 3-token prompt chunk."""
+    from pdserve.runtime.attention import AttentionMetadata, PrefillSpan, split_generated_decodes
+
+    chunk = PrefillSpan(query_start=3, query_len=3, context_len=7, block_table=torch.tensor([4]))
+    meta = AttentionMetadata(torch.arange(10, 16), 3, torch.tensor([[0, 5], [1, 0], [2, 6]]), torch.tensor([20, 9, 30]),
+                             (chunk,), torch.tensor([True, False, True, False, False, False]))
+    split = split_generated_decodes(meta)
+    assert split.decode_rows.tolist() == [0, 2] and split.rest_rows.tolist() == [1, 3, 4, 5]
+    assert split.decode.slot_mapping.tolist() == [10, 12] and split.decode.num_decode_tokens == 2
+    assert split.decode.decode_block_tables.tolist() == [[0, 5], [2, 6]]
+    assert split.decode.decode_context_lens.tolist() == [20, 30] and not split.decode.prefills
+    assert split.decode.generated_rows.tolist() == [True, True]
+    assert split.rest.slot_mapping.tolist() == [11, 13, 14, 15] and split.rest.num_decode_tokens == 1
+    assert split.rest.decode_block_tables.tolist() == [[1, 0]] and split.rest.decode_context_lens.tolist() == [9]
+    (span,) = split.rest.prefills
+    assert (span.query_start, span.query_len, span.context_len) == (1, 3, 7)
+    assert split.rest.generated_rows.tolist() == [False, False, False, False]
+    whole = AttentionMetadata(torch.arange(2), 2, torch.tensor([[0], [1]]), torch.tensor([3, 4]), (),
+                              torch.tensor([True, True]))
+    assert split_generated_decodes(whole) is None  # nothing to split: the C step takes it whole
+    assert split_generated_decodes(AttentionMetadata(torch.arange(3), 0, torch.zeros(0, 1, dtype=torch.long),
+                                                     torch.zeros(0, dtype=torch.long), (chunk,),
+                                                     torch.tensor([False] * 3))) is None
+    assert split_generated_decodes(replace(meta, generated_rows=None)) is None  # kinds not told
 
 
 @pytest.mark.parametrize("batch,threads", [(4, 1), (3, 2)])  # on 2 threads one thread has a single row

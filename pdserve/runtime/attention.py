@@ -6,7 +6,7 @@ sequence's new tokens as one contiguous run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,3 +31,37 @@ class AttentionMetadata:
     # [N] bool: rows of tokens the model generated (not prompt tokens); None: not told. Read by
     # fp32 int4 projections, which run generated tokens on their kernel (quant.int4_cpu.token_kinds).
     generated_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RowSplit:
+    """A step's rows in two parts: the decode rows of generated tokens (`decode`) and the rest
+    (`rest`: prompt chunks, and a resumed request's last prompt token run as a decode)."""
+
+    decode_rows: torch.Tensor  # [G] int64: rows of the step in `decode`, in order
+    decode: AttentionMetadata
+    rest_rows: torch.Tensor  # [N - G] int64: rows of the step in `rest`, in order
+    rest: AttentionMetadata
+
+
+def split_generated_decodes(meta: AttentionMetadata) -> RowSplit | None:
+    """`meta` as two steps, its generated decode rows and the others (each sequence's rows are in one
+    of them, so the two write and read disjoint KV); None unless both have rows, or kinds not told."""
+    if meta.generated_rows is None or meta.num_decode_tokens == 0:
+        return None
+    d = meta.num_decode_tokens
+    in_decode = meta.generated_rows.clone()  # [N] bool
+    in_decode[d:] = False
+    decode_rows = in_decode.nonzero().flatten()
+    g = len(decode_rows)
+    if g == 0 or g == len(in_decode):
+        return None
+    rest_rows = (~in_decode).nonzero().flatten()
+    rest_decodes = (~in_decode[:d]).nonzero().flatten()  # [d - g]: the decode rows staying in `rest`
+    decode = AttentionMetadata(meta.slot_mapping[decode_rows], g, meta.decode_block_tables[decode_rows],
+                               meta.decode_context_lens[decode_rows], (), torch.ones(g, dtype=torch.bool))
+    rest = AttentionMetadata(meta.slot_mapping[rest_rows], d - g, meta.decode_block_tables[rest_decodes],
+                             meta.decode_context_lens[rest_decodes],
+                             tuple(replace(p, query_start=p.query_start - g) for p in meta.prefills),
+                             meta.generated_rows[rest_rows])
+    return RowSplit(decode_rows, decode, rest_rows, rest)
