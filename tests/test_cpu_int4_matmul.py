@@ -253,19 +253,22 @@ def test_fp32_int4_token_keeps_its_logits_whatever_its_step_holds(smollm2):
 
 def test_fp32_int4_prompt_rows_are_the_same_bits_whatever_the_row_and_thread_count(monkeypatch):
     """A prompt row's dense matmul gives the same bits alone, in a longer prompt, or beside other
-    prompts, on one thread or two: BLAS picks its GEMM kernel and split by the row count (MKL on
-    AVX-512 differs below 16 rows, and from about 58 rows on two threads at K = 1536), and the
-    next layer's int8 inputs would turn that ulp into a flipped greedy token."""
+    prompts, on one thread or two, and with a kept dense copy (a prefill worker's, in oneDNN's layout)
+    as without: BLAS picks its GEMM kernel and split by the row count (MKL on AVX-512 differs below 16
+    rows, and from about 58 rows on two threads at K = 1536), and the next layer's int8 inputs would
+    turn that ulp into a flipped greedy token."""
     from pdserve.quant import int4_cpu
     from pdserve.quant.int4_cpu import RowKinds, token_kinds
 
     paths = [False, True] if int4_cpu._ONEDNN_LINEAR else [False]  # MKL chunks; oneDNN where torch has it
     gen = torch.Generator().manual_seed(8)
-    linear = Int4Linear(quantize_rtn(torch.randn(576, 1536, generator=gen)).for_dtype(torch.float32))
+    codes = quantize_rtn(torch.randn(576, 1536, generator=gen)).for_dtype(torch.float32)
+    plain, kept = Int4Linear(codes), Int4Linear(codes)
+    kept.keep_dense_copy()
     x = torch.randn(130, 1536, generator=gen)
     threads = torch.get_num_threads()
 
-    def prompt_rows(rows: torch.Tensor, n_threads: int) -> torch.Tensor:
+    def prompt_rows(rows: torch.Tensor, n_threads: int, linear: Int4Linear = plain) -> torch.Tensor:
         torch.set_num_threads(n_threads)
         try:
             with token_kinds(RowKinds.of(torch.zeros(rows.shape[0], dtype=torch.bool))):
@@ -273,11 +276,12 @@ def test_fp32_int4_prompt_rows_are_the_same_bits_whatever_the_row_and_thread_cou
         finally:
             torch.set_num_threads(threads)
 
-    want = x[:5].double() @ linear.dequantized().double().t()
+    want = x[:5].double() @ plain.dequantized().double().t()
     for onednn in paths:
         monkeypatch.setattr(int4_cpu, "_ONEDNN_LINEAR", onednn)
         alone = prompt_rows(x[:5], 1)
         for m in (5, 16, 17, 64, 130):
             for n_threads in (1, 2):
                 assert torch.equal(prompt_rows(x[:m], n_threads)[:5], alone), (onednn, m, n_threads)
+                assert torch.equal(prompt_rows(x[:m], n_threads, kept)[:5], alone), (onednn, m, n_threads)
         assert (alone.double() - want).abs().max() <= 1e-4 * want.abs().max()

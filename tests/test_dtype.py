@@ -70,7 +70,7 @@ def test_pdserve_up_passes_one_resolved_dtype_to_every_child() -> None:
     assert gw[gw.index("--served-model-name") + 1] == "chat"
 
 
-def test_the_dense_copy_is_kept_by_prefill_workers_and_in_bf16_by_default() -> None:
+def test_the_dense_copy_is_kept_but_by_fp32_decode_workers_by_default() -> None:
     from pdserve.cli import build_parser
     from pdserve.engine_args import engine_config_from_args
 
@@ -79,6 +79,7 @@ def test_the_dense_copy_is_kept_by_prefill_workers_and_in_bf16_by_default() -> N
         return engine_config_from_args(build_parser().parse_args(argv))
 
     assert config("prefill", "--dtype", "float32").dense_copy
+    assert config("bench-engine", "--dtype", "float32").dense_copy  # an engine of its own computes prompts
     assert not config("decode", "--dtype", "float32").dense_copy
     assert config("decode", "--dtype", "bfloat16").dense_copy  # decode steps of 16+ sequences run dense
     assert not config("prefill", "--dense-copy", "off").dense_copy

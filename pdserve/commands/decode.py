@@ -14,6 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_worker_args(p, default_bind="127.0.0.1:50062")
     add_worker_config_args(p)  # the rest of WorkerConfig: --log-level, --metrics-port, ...
+    p.set_defaults(worker_role="decode")  # what role-dependent defaults (--dense-copy auto) read
 
 
 def run(args: argparse.Namespace) -> int:

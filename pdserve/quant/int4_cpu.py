@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed
+from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed, onednn_packed_f32
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
@@ -282,7 +282,7 @@ class Int4Linear:
         kinds = _generated_rows.get()
         if kinds is None or len(kinds.generated) + len(kinds.prompt) != x.shape[0]:
             on_kernel = x.shape[0] < self.dense_from_rows
-            return self._kernel(x) if on_kernel else self._dense(x)
+            return self._kernel(x) if on_kernel else self._dense_row_invariant(x)
         if len(kinds.prompt) == 0:
             return self._kernel(x)
         if len(kinds.generated) == 0:
@@ -304,11 +304,12 @@ class Int4Linear:
         are padded to PROMPT_GEMM_MIN_ROWS. Without oneDNN: MKL in chunks of exactly
         PROMPT_GEMM_ROWS rows (the same call whatever the step holds, about 1.7x the time)."""
         m, k = x.shape
-        weight = self._dense_weight()
         if _ONEDNN_LINEAR:
             if m < PROMPT_GEMM_MIN_ROWS:
                 x = torch.cat([x, x.new_zeros((PROMPT_GEMM_MIN_ROWS - m, k))])
+            weight = self.dense if self.dense_packed else self._dense_weight()  # the same bits either way
             return linear_packed(x, weight, self.bias)[:m]
+        weight = self._dense_weight()
         chunks = -(-m // PROMPT_GEMM_ROWS)
         padded = x.new_zeros((chunks * PROMPT_GEMM_ROWS, k))
         padded[:m] = x
@@ -377,10 +378,14 @@ class Int4Linear:
         takes calls from DENSE_COPY_FROM_ROWS rows on (decode steps of 16 or more sequences), where
         the dense matmul beats the kernel once nothing is dequantized: those rows' bits then differ
         from the kernel's by the order of the fp32 sums (same weights, same products). fp32 goes by
-        token kind instead (`token_kinds`). bf16 / fp16 keep it in oneDNN's layout where torch has oneDNN
+        token kind instead (`token_kinds`), its copy in oneDNN's layout where that keeps the plain
+        weight's bits (`onednn_packed_f32`). bf16 / fp16 keep it in oneDNN's layout where torch has oneDNN
         (`onednn_packed`: the same bits, faster), taking the dense path from DENSE_PACKED_FROM_ROWS."""
         self.dense = self.dequantized()
-        if self.mins is None:
+        if self.mins is not None:  # fp32: prompt rows only, on oneDNN's GEMM (`_dense_row_invariant`)
+            packed = onednn_packed_f32(self.dense) if _ONEDNN_LINEAR else None
+            self.dense = self.dense if packed is None else packed
+        else:
             self.dense_from_rows = DENSE_COPY_FROM_ROWS if self.planes == 1 else DENSE_COPY_FROM_ROWS_TWO_PLANES
             packed = onednn_packed(self.dense)
             if packed is not None:
