@@ -215,11 +215,11 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
 
 
 def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, threads: int):
-    """This worker's side of the host's core share (--core-share), or None: a prefill worker holds
-    its slot while it computes; a decode worker widens to --wide-threads while no prefill worker
-    does, narrowing between layers as soon as one starts."""
+    """This worker's side of the host's core share (--core-share), or None: it holds its slot while
+    it computes, and computes on --wide-threads while no worker of the other kind does, narrowing
+    between layers as soon as one starts."""
     from pdserve.runtime import compute_threads
-    from pdserve.runtime.core_share import CoreShare, DecodeCores, PrefillCores
+    from pdserve.runtime.core_share import CoreShare, WorkerCores
 
     if not config.core_share:
         return None
@@ -228,18 +228,18 @@ def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, thr
     except OSError as err:  # an optimization: the worker keeps to --threads without it
         log.warning("core share %s unavailable (%s): keeping to --threads %d", config.core_share, err, threads)
         return None
-    if getattr(args, "worker_role", "") == "prefill":
-        return PrefillCores(share, config.core_share_slot)
-    cores = DecodeCores(share, max(config.wide_threads, threads), threads, compute_threads.thread_setter())
     model = engine.runner.model
     if not hasattr(model, "one_call_decode_step"):  # a parallel driver: its ranks keep to --threads
         return None
+    kind = "prefill" if getattr(args, "worker_role", "") == "prefill" else "decode"
+    cores = WorkerCores(share, kind, config.core_share_slot, max(config.wide_threads, threads), threads,
+                        compute_threads.thread_setter())
     model.between_layers = cores.between_layers
-    plan = model.one_call_decode_step()  # planned once: the engine's weights are packed by now
+    plan = model.one_call_decode_step() if kind == "decode" else None  # planned once: weights packed by now
     if plan is not None and not args.step_threads:  # the C step takes the share's count of the moment
         plan.threads.wanted = lambda: cores.budget
-    log.info("core share %s: %d threads while no prefill worker computes, %d otherwise", config.core_share,
-             cores.wide, cores.narrow)
+    log.info("core share %s: %d threads while no %s worker computes, %d otherwise", config.core_share,
+             cores.wide, cores.other, cores.narrow)
     return cores
 
 

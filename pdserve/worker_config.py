@@ -60,12 +60,13 @@ class WorkerConfig(FromFlags):
                                 "empty: blocks go unsigned and are read unchecked)", flag=None,
                                 load=kv_mac.key_from_env, repr=False)
     core_share: str = setting("", "a file the prefill and decode workers of one host share (pdserve.runtime."
-                              "core_share; `pdserve up` gives one): a decode worker computes on --wide-threads "
-                              "while no prefill worker does (empty: each keeps to --threads)", metavar="PATH")
-    core_share_slot: int = setting(0, "prefill: this worker's slot in --core-share (one per prefill worker of "
-                                   "the host)", metavar="N")
-    wide_threads: int = setting(0, "decode with --core-share: torch threads while no prefill worker of the host "
-                                "computes (0: --threads)", metavar="N")
+                              "core_share; `pdserve up` gives one): a worker computes on --wide-threads "
+                              "while no worker of the other kind does (empty: each keeps to --threads)",
+                              metavar="PATH")
+    core_share_slot: int = setting(0, "this worker's slot in --core-share (one per worker of its kind on the "
+                                   "host)", metavar="N")
+    wide_threads: int = setting(0, "with --core-share: torch threads while no worker of the other kind on the "
+                                "host computes (0: --threads)", metavar="N")
     log_level: str = setting("INFO", "logging level", env=LOG_LEVEL_ENV, metavar="LEVEL")
     process: ProcessConfig = nested(ProcessConfig, "TLS, internal token, tracing and /metrics")
 

@@ -1,6 +1,7 @@
 """The host's core share (pdserve.runtime.core_share): a prefill worker's claim seen by a decode
-worker in another process, its expiry, the decode side's thread choice before a step and between
-layers, and a real engine decoding the same bits whatever threads its steps and layers ran on."""
+worker in another process, its expiry, a worker's thread choice before a step and between layers
+(either kind), and real engines decoding and computing prompts with the same bits whatever threads
+their steps and layers ran on."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from pdserve.runtime import compute_threads, core_share
 from pdserve.runtime.config import CacheConfig, EngineConfig
-from pdserve.runtime.core_share import HOLD_S, CoreShare, DecodeCores, PrefillCores
+from pdserve.runtime.core_share import HOLD_S, CoreShare, WorkerCores
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.sampling_params import SamplingParams
 
@@ -21,19 +22,20 @@ from pdserve.runtime.sampling_params import SamplingParams
 def test_a_claim_written_by_another_process_is_seen_until_released(tmp_path):
     path = tmp_path / "cores"
     share = CoreShare(path)
-    assert not share.prefill_busy()
-    script = ("import sys; from pdserve.runtime.core_share import CoreShare, PrefillCores\n"
-              "side = PrefillCores(CoreShare(sys.argv[1]), 3); side.before_step(); print('held', flush=True)\n"
+    assert not share.busy("prefill")
+    script = ("import sys; from pdserve.runtime.core_share import CoreShare, WorkerCores\n"
+              "side = WorkerCores(CoreShare(sys.argv[1]), 'prefill', 3, 1, 1, print)\n"
+              "side.before_step(); print('held', flush=True)\n"
               "sys.stdin.readline(); side.idle(); print('idle', flush=True); sys.stdin.readline()\n")
     child = subprocess.Popen([sys.executable, "-c", script, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     try:
         assert child.stdout.readline().strip() == "held"
-        assert share.prefill_busy()
+        assert share.busy("prefill") and not share.busy("decode")
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "idle"
-        assert not share.prefill_busy()
+        assert not share.busy("prefill")
     finally:
         child.kill()
         child.wait()
@@ -43,41 +45,49 @@ def test_a_claim_lapses_after_hold_s_and_a_time_from_before_a_reboot_is_ignored(
     now = [1000.0]
     monkeypatch.setattr(core_share.time, "monotonic", lambda: now[0])
     share = CoreShare(tmp_path / "cores")
-    share.hold(0)
+    share.hold("prefill", 0)
     now[0] += HOLD_S * 0.9
-    assert share.prefill_busy()
+    assert share.busy("prefill")
     now[0] += HOLD_S * 0.2  # its worker died without releasing: forgotten
-    assert not share.prefill_busy()
-    share.hold(1)
+    assert not share.busy("prefill")
+    share.hold("decode", 63)
+    assert share.busy("decode") and not share.busy("prefill")  # the last decode slot is not a prefill one
     now[0] -= 100.0  # the clock restarted (a reboot) under a file left behind
-    assert not share.prefill_busy()
+    assert not share.busy("decode")
     with pytest.raises(ValueError, match="slot"):
-        PrefillCores(share, core_share.MAX_SLOTS)
+        WorkerCores(share, "prefill", core_share.MAX_SLOTS, 1, 1, print)
+    with pytest.raises(ValueError, match="kinds"):
+        share.hold("gateway", 0)
 
 
-def test_decode_widens_while_no_prefill_computes_and_narrows_between_layers_when_one_starts(tmp_path):
-    """A step starts wide while no prefill worker computes (OpenMP and a one-call C step's budget),
-    and a prefill claim narrows both from the next layer."""
+@pytest.mark.parametrize("kind,other", [("decode", "prefill"), ("prefill", "decode")])
+def test_a_worker_widens_while_the_other_kind_idles_and_narrows_between_layers_when_it_starts(tmp_path, kind,
+                                                                                              other):
+    """A step starts wide while no worker of the other kind computes (OpenMP and a one-call C step's
+    budget), and the other kind's claim narrows both from the next layer. Its own claim is held for
+    each step and released when it idles."""
     share, calls = CoreShare(tmp_path / "cores"), []
-    cores = DecodeCores(share, wide=2, narrow=1, set_threads=calls.append)
+    cores = WorkerCores(share, kind, 2, wide=2, narrow=1, set_threads=calls.append)
     cores.before_step()
-    assert (cores.budget, cores.threads, calls) == (2, 2, [2])
+    assert (cores.budget, cores.threads, calls) == (2, 2, [2]) and share.busy(kind)
     cores.between_layers()
     cores.between_layers()
     assert (cores.threads, calls) == (2, [2])
-    share.hold(0)  # a prompt arrives mid-step
+    share.hold(other, 0)  # the other kind starts computing mid-step
     cores.between_layers()
     cores.between_layers()
     assert (cores.budget, cores.threads, calls) == (1, 1, [2, 1])  # one switch, not one a layer
     cores.before_step()
     cores.between_layers()
     assert (cores.budget, calls) == (1, [2, 1])
-    share.release(0)
+    share.release(other, 0)
     cores.before_step()
     cores.between_layers()
     assert (cores.budget, cores.threads, calls, cores.switches) == (2, 2, [2, 1, 2], 3)
+    cores.idle()
+    assert not share.busy(kind)
     with pytest.raises(ValueError):
-        DecodeCores(share, wide=1, narrow=2, set_threads=calls.append)
+        WorkerCores(share, kind, 0, wide=1, narrow=2, set_threads=calls.append)
 
 
 def test_switching_threads_between_steps_and_layers_changes_no_bit(smollm2_bf16, tmp_path):
@@ -90,14 +100,14 @@ def test_switching_threads_between_steps_and_layers_changes_no_bit(smollm2_bf16,
             cache=CacheConfig(num_blocks=128, dtype="bfloat16"), dtype="bfloat16", dense_copy=True))
         engine.keep_logits = True
         share = CoreShare(tmp_path / f"cores-{toggle}")
-        cores = DecodeCores(share, 2, 1, compute_threads.thread_setter())
+        cores = WorkerCores(share, "decode", 0, 2, 1, compute_threads.thread_setter())
         if toggle:
             layers = [0]
 
             def between() -> None:
                 layers[0] += 1
                 if layers[0] % 7 == 0:
-                    share.release(0) if share.prefill_busy() else share.hold(0)
+                    share.release("prefill", 0) if share.busy("prefill") else share.hold("prefill", 0)
                 cores.between_layers()
             engine.runner.model.between_layers = between
         logits = []
@@ -124,3 +134,54 @@ def test_switching_threads_between_steps_and_layers_changes_no_bit(smollm2_bf16,
     assert len(box["one"]) == len(box["switched"])
     for a, b in zip(box["one"], box["switched"]):
         assert torch.equal(a, b)
+
+
+def test_prompts_computed_on_switching_threads_have_the_one_thread_bits(smollm2, tmp_path):
+    """A prefill worker's engine (fp32, its dense copy; prompts in chunks of 64 tokens) on one thread
+    throughout, and with its count switched between 1 and 2 by a decode claim toggled every few
+    layers: the same logits and KV cache."""
+    from pdserve.runtime.config import SchedulerConfig
+
+    prompts = [smollm2.tokenizer.encode("Summarize: " + "the tide comes in and goes out. " * n) for n in (2, 9, 20)]
+
+    def prefill(toggle: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        engine = Engine.from_checkpoint(smollm2, EngineConfig(
+            cache=CacheConfig(num_blocks=64), dtype="float32", dense_copy=True,
+            scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+        engine.keep_logits = True
+        share = CoreShare(tmp_path / f"cores-{toggle}")
+        cores = WorkerCores(share, "prefill", 0, 2, 1, compute_threads.thread_setter())
+        if toggle:
+            layers = [0]
+
+            def between() -> None:
+                layers[0] += 1
+                if layers[0] % 5 == 0:
+                    share.release("decode", 0) if share.busy("decode") else share.hold("decode", 0)
+                cores.between_layers()
+            engine.runner.model.between_layers = between
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        logits = []
+        while engine.has_unfinished():
+            if toggle:
+                cores.before_step()
+            engine.step()
+            logits.append(engine.last_logits.clone())
+        if toggle:
+            assert cores.switches >= 4
+        return logits, engine.runner.kv_cache.clone()
+
+    box = {}
+
+    def run() -> None:  # a thread of its own: the OpenMP count set is this thread's
+        compute_threads.claim(1)
+        box["one"], box["switched"] = prefill(False), prefill(True)
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    (one, kv_one), (switched, kv_switched) = box["one"], box["switched"]
+    assert len(one) == len(switched) >= 3
+    for a, b in zip(one, switched):
+        assert torch.equal(a, b)
+    assert torch.equal(kv_one, kv_switched)

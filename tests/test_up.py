@@ -82,9 +82,9 @@ def test_plan_commands_parse() -> None:
 
 
 def test_workers_of_one_up_share_the_hosts_cores(monkeypatch, tmp_path) -> None:
-    """torch threads: the cores divided among every worker process; a decode worker's while no prefill
-    worker computes: the cores divided among the decode workers only. Every worker gets the run
-    directory's core share file, each prefill worker a slot of its own."""
+    """torch threads: the cores divided among every worker process; a worker's while no worker of the
+    other kind computes: the cores divided among the workers of its kind only. Every worker gets the
+    run directory's core share file, and a slot of its own among its kind."""
     from pdserve.runtime import compute_threads
     from pdserve.worker_config import WorkerConfig
 
@@ -94,7 +94,10 @@ def test_workers_of_one_up_share_the_hosts_cores(monkeypatch, tmp_path) -> None:
     decode, prefill = WorkerConfig.from_args(by_name["decode-1"], {}), WorkerConfig.from_args(by_name["prefill-1"], {})
     assert by_name["decode-1"].threads == 1 and decode.wide_threads == 2 and by_name["decode-1"].step_threads == 0
     assert decode.core_share == prefill.core_share == str(tmp_path / "cores")
-    assert prefill.core_share_slot == 1
+    assert prefill.core_share_slot == decode.core_share_slot == 1 and prefill.wide_threads == 2
+    workers, _ = plan(build_parser().parse_args(["up", "--prefill", "1", "--decode", "3", "--run-dir", str(tmp_path)]))
+    by_name = {w.name: WorkerConfig.from_args(build_parser().parse_args(list(w.command[3:])), {}) for w in workers}
+    assert (by_name["prefill-0"].wide_threads, by_name["decode-2"].wide_threads) == (4, 1)
     workers, _ = plan(build_parser().parse_args(["up", "--threads", "5", "--step-threads", "3"]))
     decode = build_parser().parse_args(list(workers[-1].command[3:]))
     assert (WorkerConfig.from_args(decode, {}).wide_threads, decode.step_threads) == (5, 3)  # never below --threads

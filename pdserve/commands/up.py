@@ -197,8 +197,9 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     for kind, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             addr = f"{loopback}:{free_port(avoid=gateway_ports)}"
-            extra = _decode_flags(args) if kind == "decode" else ("--core-share-slot", str(i))
-            extra += ("--core-share", cores, *_parallel_flags(args, kind))
+            extra = _decode_flags(args) if kind == "decode" else ()
+            extra += ("--core-share", cores, "--core-share-slot", str(i), "--wide-threads",
+                      str(wide_threads(args, kind=kind)), *_parallel_flags(args, kind))
             workers.append(ChildSpec(f"{kind}-{i}", addr, pdserve_command(
                 kind, "--bind", addr, "--kvstore", kv, *engine, *extra), env=drain_env))
     gw = f"{args.host}:{args.grpc_port}"
@@ -257,22 +258,22 @@ def cluster_secret_env(environ: Mapping[str, str], internal_token: bool = True) 
 
 
 def _decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """What only decode workers take: the batch size, speculative decoding, and their threads while
-    no prefill worker computes (with --step-threads, the one-call decode step's)."""
+    """What only decode workers take: the batch size, speculative decoding, and the one-call decode
+    step's threads (--step-threads)."""
     return ("--max-batch-size", str(args.max_batch_size), "--speculative-ngram", str(args.speculative_ngram),
-            "--speculative-max-batch", str(args.speculative_max_batch), "--wide-threads", str(wide_threads(args)),
-            "--step-threads", str(args.step_threads))
+            "--speculative-max-batch", str(args.speculative_max_batch), "--step-threads", str(args.step_threads))
 
 
-def wide_threads(args: argparse.Namespace, cores: int | None = None) -> int:
-    """A decode worker's torch threads while no prefill worker of the host computes: the host's cores
-    divided among the decode processes only (each keeps to its --threads share while a prefill
-    worker computes: pdserve.runtime.core_share). With SmolLM2 on two cores the prefill worker idles
-    about three quarters of a 32-stream run (9 of 40 s) while the decode worker computed 35."""
+def wide_threads(args: argparse.Namespace, cores: int | None = None, kind: str = "decode") -> int:
+    """A `kind` worker's torch threads while no worker of the other kind on the host computes: the
+    host's cores divided among the `kind` processes only (each keeps to its --threads share while
+    the other kind computes: pdserve.runtime.core_share). With SmolLM2 on two cores the prefill
+    worker idles about three quarters of a 32-stream run (9 of 40 s) while the decode worker
+    computed 35; with one stream the decode worker idles while each prompt is computed."""
     from pdserve.runtime.compute_threads import default_threads
 
     narrow = args.threads or worker_threads(args)
-    return max(narrow, (cores or default_threads()) // max(_processes(args, "decode"), 1))
+    return max(narrow, (cores or default_threads()) // max(_processes(args, kind), 1))
 
 
 def worker_threads(args: argparse.Namespace, cores: int | None = None) -> int:

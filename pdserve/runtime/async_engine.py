@@ -75,7 +75,7 @@ from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.runtime.pins import Owner
 
 if TYPE_CHECKING:
-    from pdserve.runtime.core_share import DecodeCores, PrefillCores
+    from pdserve.runtime.core_share import WorkerCores
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,7 +89,7 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine, batch_window_s: float = 0.002, max_streams: int | None = None,
-                 threads: int | None = None, cores: PrefillCores | DecodeCores | None = None) -> None:
+                 threads: int | None = None, cores: WorkerCores | None = None) -> None:
         """threads: torch CPU threads the engine thread claims for itself (a worker process, whose
         other threads run torch single-threaded: pdserve.runtime.compute_threads); None leaves
         the process's count. cores: this worker's side of the host's core share

@@ -191,8 +191,8 @@ class LlamaModel:
         self.layers = [build_layer(config, w, i, ctx) for i in range(config.num_layers)]
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.step_threads = step_threads
-        # Called on the engine thread after each layer of an eager step (runtime.core_share: a decode
-        # worker gives a core back to a prefill worker that started computing); None: nothing.
+        # Called on the engine thread after each layer of an eager step (runtime.core_share: a worker
+        # gives a core back to a worker of the other kind that started computing); None: nothing.
         self.between_layers: Callable[[], None] | None = None
         self._decode_step: DecodeStepPlan | None | object = _UNPLANNED
 
