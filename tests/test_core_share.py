@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -90,6 +91,50 @@ def test_a_worker_widens_while_the_other_kind_idles_and_narrows_between_layers_w
         WorkerCores(share, kind, 0, wide=1, narrow=2, set_threads=calls.append)
 
 
+def _toggled_cores(engine: Engine, share: CoreShare, kind: str, every: int) -> WorkerCores:
+    """`engine`'s side of `share` as a `kind` worker (2 threads wide, 1 narrow), with the other kind's
+    claim toggled every `every` layers of its steps."""
+    cores = WorkerCores(share, kind, 0, 2, 1, compute_threads.thread_setter())
+    layers = [0]
+
+    def between() -> None:
+        layers[0] += 1
+        if layers[0] % every == 0:
+            share.release(cores.other, 0) if share.busy(cores.other) else share.hold(cores.other, 0)
+        cores.between_layers()
+    engine.runner.model.between_layers = between
+    return cores
+
+
+def _steps_logits(engine: Engine, batches: list[list[list[int]]], max_tokens: int,
+                  cores: WorkerCores | None) -> list[torch.Tensor]:
+    """Each step's logits of greedy requests, batch after batch; `cores` told before each step."""
+    logits = []
+    for b, batch in enumerate(batches):
+        for i, ids in enumerate(batch):
+            engine.add_request(f"{b}-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            if cores is not None:
+                cores.before_step()
+            engine.step()
+            logits.append(engine.last_logits.clone())
+    return logits
+
+
+def _one_thread_then_toggled(run: Callable[[bool], object]) -> tuple[object, object]:
+    """run(False) and run(True) on a thread of its own that claims one thread (the OpenMP count set
+    is the calling thread's)."""
+    box = {}
+
+    def body() -> None:
+        compute_threads.claim(1)
+        box["one"], box["switched"] = run(False), run(True)
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    return box["one"], box["switched"]
+
+
 def test_switching_threads_between_steps_and_layers_changes_no_bit(smollm2_bf16, tmp_path):
     """8 sequences (torch's int4 kernel), then 24 (the dense copy): decoded on one thread throughout,
     and with the count switched between 1 and 2 by a prefill claim toggled every few layers."""
@@ -99,40 +144,14 @@ def test_switching_threads_between_steps_and_layers_changes_no_bit(smollm2_bf16,
         engine = Engine.from_checkpoint(smollm2_bf16, EngineConfig(
             cache=CacheConfig(num_blocks=128, dtype="bfloat16"), dtype="bfloat16", dense_copy=True))
         engine.keep_logits = True
-        share = CoreShare(tmp_path / f"cores-{toggle}")
-        cores = WorkerCores(share, "decode", 0, 2, 1, compute_threads.thread_setter())
-        if toggle:
-            layers = [0]
-
-            def between() -> None:
-                layers[0] += 1
-                if layers[0] % 7 == 0:
-                    share.release("prefill", 0) if share.busy("prefill") else share.hold("prefill", 0)
-                cores.between_layers()
-            engine.runner.model.between_layers = between
-        logits = []
-        for batch in (prompts[:8], prompts[8:]):
-            for i, ids in enumerate(batch):
-                engine.add_request(f"{len(batch)}-{i}", ids, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-            while engine.has_unfinished():
-                if toggle:
-                    cores.before_step()
-                engine.step()
-                logits.append(engine.last_logits.clone())
-        if toggle:
-            assert cores.switches >= 4
+        cores = _toggled_cores(engine, CoreShare(tmp_path / "cores"), "decode", 7) if toggle else None
+        logits = _steps_logits(engine, [prompts[:8], prompts[8:]], 4, cores)
+        assert cores is None or cores.switches >= 4
         return logits
 
-    box = {}
-
-    def run() -> None:  # a thread of its own: the OpenMP count set is this thread's
-        compute_threads.claim(1)
-        box["one"], box["switched"] = decode(False), decode(True)
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    assert len(box["one"]) == len(box["switched"])
-    for a, b in zip(box["one"], box["switched"]):
+    one, switched = _one_thread_then_toggled(decode)
+    assert len(one) == len(switched)
+    for a, b in zip(one, switched):
         assert torch.equal(a, b)
 
 
@@ -149,38 +168,12 @@ def test_prompts_computed_on_switching_threads_have_the_one_thread_bits(smollm2,
             cache=CacheConfig(num_blocks=64), dtype="float32", dense_copy=True,
             scheduler=SchedulerConfig(max_num_batched_tokens=64)))
         engine.keep_logits = True
-        share = CoreShare(tmp_path / f"cores-{toggle}")
-        cores = WorkerCores(share, "prefill", 0, 2, 1, compute_threads.thread_setter())
-        if toggle:
-            layers = [0]
-
-            def between() -> None:
-                layers[0] += 1
-                if layers[0] % 5 == 0:
-                    share.release("decode", 0) if share.busy("decode") else share.hold("decode", 0)
-                cores.between_layers()
-            engine.runner.model.between_layers = between
-        for i, ids in enumerate(prompts):
-            engine.add_request(f"p{i}", ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        logits = []
-        while engine.has_unfinished():
-            if toggle:
-                cores.before_step()
-            engine.step()
-            logits.append(engine.last_logits.clone())
-        if toggle:
-            assert cores.switches >= 4
+        cores = _toggled_cores(engine, CoreShare(tmp_path / "cores"), "prefill", 5) if toggle else None
+        logits = _steps_logits(engine, [prompts], 1, cores)
+        assert cores is None or cores.switches >= 4
         return logits, engine.runner.kv_cache.clone()
 
-    box = {}
-
-    def run() -> None:  # a thread of its own: the OpenMP count set is this thread's
-        compute_threads.claim(1)
-        box["one"], box["switched"] = prefill(False), prefill(True)
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
-    (one, kv_one), (switched, kv_switched) = box["one"], box["switched"]
+    (one, kv_one), (switched, kv_switched) = _one_thread_then_toggled(prefill)
     assert len(one) == len(switched) >= 3
     for a, b in zip(one, switched):
         assert torch.equal(a, b)
