@@ -59,8 +59,9 @@ def test_exact_int8_kernel_is_the_dequantized_matmul_to_fp32_rounding(shape):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_gets_the_same_bits_alone_in_a_batch_strided_and_on_any_thread_count(threads):
     """Each row's sums run over the groups in one order whatever the call holds: rows alone equal
-    rows together (a token's logits do not depend on its batch), strided inputs equal contiguous
-    ones, and threads split the outputs without changing a bit."""
+    rows together (a token's logits do not depend on its batch; 11 rows: a tile of 8 rows and one
+    output, then one of 3 rows and two outputs), strided inputs equal contiguous ones, and threads
+    split the outputs without changing a bit."""
     gen = torch.Generator().manual_seed(7)
     codes, scale, mins = _random_int4(1536, 576, gen)
     nib = _nibbles(codes)

@@ -382,6 +382,9 @@ static void exact_reorder_groups(const float* x, int64_t m, int64_t k, int64_t x
 
 #ifdef INT4_AVX2
 #define EXACT_INPUT_TILE 4
+// Full tiles of this many input rows take one output row at a time: a group's 4 dequantized vectors
+// serve 8 rows (8 accumulators, 13 registers) where two output rows' 8 serve 4.
+#define EXACT_ROWS_TILE 8
 // One group's 32 weights of an output row, dequantized into 4 vectors of 8, in xp's order (4-bit:
 // the low nibbles of code bytes 0-7, 8-15, then their high nibbles).
 static inline __attribute__((always_inline)) void exact_weights(const uint8_t* codes, int bits, float scale,
@@ -409,7 +412,7 @@ static inline __attribute__((always_inline)) void exact_tile(const uint8_t* code
                                                              const float* xp, int64_t r, int mt, float* y,
                                                              int64_t y_stride, int bits) {
     const int64_t groups = k / GROUP, row_bytes = bits == 4 ? k / 2 : k, group_bytes = bits == 4 ? GROUP / 2 : GROUP;
-    __m256 acc[2][EXACT_INPUT_TILE];
+    __m256 acc[2][EXACT_ROWS_TILE];
     for (int i = 0; i < nr; i++)
         for (int j = 0; j < mt; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -436,6 +439,7 @@ static inline __attribute__((always_inline)) void exact_tile(const uint8_t* code
 static void exact_tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr,
                                 int64_t k, const float* xp, int64_t r, int mt, float* y, int64_t y_stride, int bits) {
     switch (nr * 16 + mt) {
+        case 1 * 16 + EXACT_ROWS_TILE: EXACT_TILE(1, EXACT_ROWS_TILE); break;
         case 2 * 16 + 4: EXACT_TILE(2, 4); break;
         case 2 * 16 + 3: EXACT_TILE(2, 3); break;
         case 2 * 16 + 2: EXACT_TILE(2, 2); break;
@@ -448,6 +452,7 @@ static void exact_tile_dispatch(const uint8_t* codes, const float* scale, const 
 }
 #else
 #define EXACT_INPUT_TILE 4
+#define EXACT_ROWS_TILE 8
 // Portable: the same weights (fmaf) and, per output, 8 partial sums over the group's lanes as the
 // vector code keeps them, added in the same order.
 static void exact_tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr,
@@ -498,9 +503,15 @@ static int linear_exact(const float* x, int64_t m, int64_t k, int64_t x_stride, 
         for (int64_t r = 0; r < m; r++) memcpy(scratch + r * k, x + r * x_stride, sizeof(float) * (size_t)k);
         xp = scratch;
     }
+    // Each output's sums take one order whatever the tile (per lane over groups, then the lanes), so
+    // rows give the same bits in any tile.
     for (int64_t n = n0; n < n1; n += 2) {
         const int nr = n + 2 <= n1 ? 2 : 1;
-        for (int64_t r = 0; r < m; r += EXACT_INPUT_TILE) {
+        int64_t r = 0;
+        for (; r + EXACT_ROWS_TILE <= m; r += EXACT_ROWS_TILE)
+            for (int i = 0; i < nr; i++)
+                exact_tile_dispatch(codes, scale, mins, n + i, 1, k, xp, r, EXACT_ROWS_TILE, y, y_stride, bits);
+        for (; r < m; r += EXACT_INPUT_TILE) {
             const int mt = r + EXACT_INPUT_TILE <= m ? EXACT_INPUT_TILE : (int)(m - r);
             exact_tile_dispatch(codes, scale, mins, n, nr, k, xp, r, mt, y, y_stride, bits);
         }
