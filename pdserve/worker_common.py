@@ -229,11 +229,12 @@ def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, thr
         log.warning("core share %s unavailable (%s): keeping to --threads %d", config.core_share, err, threads)
         return None
     model = engine.runner.model
-    if not hasattr(model, "one_call_decode_step"):  # a parallel driver: its ranks keep to --threads
-        return None
     kind = "prefill" if getattr(args, "worker_role", "") == "prefill" else "decode"
-    cores = WorkerCores(share, kind, config.core_share_slot, max(config.wide_threads, threads), threads,
-                        compute_threads.thread_setter())
+    parallel = not hasattr(model, "one_call_decode_step")  # a parallel driver: its ranks keep to --threads
+    wide = threads if parallel else max(config.wide_threads, threads)
+    cores = WorkerCores(share, kind, config.core_share_slot, wide, threads, compute_threads.thread_setter())
+    if parallel:  # it still holds its claim while it computes: the other kind narrows meanwhile
+        return cores
     model.between_layers = cores.between_layers
     plan = model.one_call_decode_step() if kind == "decode" else None  # planned once: weights packed by now
     if plan is not None and not args.step_threads:  # the C step takes the share's count of the moment
