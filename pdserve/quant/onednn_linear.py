@@ -19,9 +19,7 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [out, in] bf16 / fp16 in oneDNN's blocked layout for `linear_packed` (an opaque tensor),
     or None where torch has no oneDNN, the dtype is another, or the CPU has no oneDNN path for it
     (oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2 CPU raises there)."""
-    if not (ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
-            and _onednn_runs(weight.dtype)):
+    if not (_can_lay_out(weight) and weight.dtype in (torch.bfloat16, torch.float16) and _onednn_runs(weight.dtype)):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_FOR_ROWS)
 
@@ -33,10 +31,14 @@ def onednn_packed_f32(weight: torch.Tensor) -> torch.Tensor | None:
     Why: int4_cpu's fp32 prompt rows run oneDNN's linear on the plain weight, which oneDNN re-lays out
     on every call: SmolLM2's four projections at 22 rows and two threads (AVX2 EPYC) 1.81 -> 1.40 ms a
     layer, at 200 rows 10.7 -> 9.96 ms. One row takes another kernel (other bits): callers pad to more."""
-    if not (ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and weight.dtype == torch.float32 and weight.device.type == "cpu" and _f32_packed_same_bits()):
+    if not (_can_lay_out(weight) and weight.dtype == torch.float32 and _f32_packed_same_bits()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_FOR_ROWS)
+
+
+def _can_lay_out(weight: torch.Tensor) -> bool:
+    """Whether torch has oneDNN's linear and its weight re-layout, and `weight` is on the CPU."""
+    return ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and weight.device.type == "cpu"
 
 
 @functools.cache

@@ -89,7 +89,7 @@ class WorkerCores:
                  set_threads: Callable[[int], None]) -> None:
         if not 1 <= narrow <= wide:
             raise ValueError(f"{kind} threads need 1 <= narrow ({narrow}) <= wide ({wide})")
-        share.release(kind, slot)  # checks kind and slot
+        share.release(kind, slot)  # no claim left from an earlier worker of this slot (and kind, slot checked)
         self.share, self.kind, self.slot, self.wide, self.narrow = share, kind, slot, wide, narrow
         self.other = KINDS[1 - KINDS.index(kind)]
         self._set_threads = set_threads

@@ -211,13 +211,16 @@ class LlamaModel:
         if step is not None and step.applies(hidden, meta, kv_cache):
             return step.run(hidden, positions, meta, kv_cache)  # the same bits as the layers below
         split = split_generated_decodes(meta) if step is not None else None
-        if split is not None and step.applies(hidden[split.decode_rows], split.decode, kv_cache):
-            return self._split_forward(step, hidden, positions, split, kv_cache)
+        if split is not None:
+            decode_hidden = hidden[split.decode_rows]  # [G, D]
+            if step.applies(decode_hidden, split.decode, kv_cache):
+                return self._split_forward(step, hidden, decode_hidden, positions, split, kv_cache)
         return self._layers_forward(hidden, positions, meta, kv_cache)
 
-    def _split_forward(self, step: DecodeStepPlan, hidden: torch.Tensor, positions: torch.Tensor, split: RowSplit,
-                       kv_cache: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] -> [N, D]: the generated decode rows in the C step, the others layer by layer.
+    def _split_forward(self, step: DecodeStepPlan, hidden: torch.Tensor, decode_hidden: torch.Tensor,
+                       positions: torch.Tensor, split: RowSplit, kv_cache: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] (decode_hidden: its rows split.decode_rows) -> [N, D]: the generated decode rows
+        in the C step, the others layer by layer.
 
         Why: a step that admits a prompt (or, on a decode worker, a request's last prompt token) would
         otherwise run its decode rows eagerly too: bench-engine's mixed steps (31 decodes and a short
@@ -227,7 +230,7 @@ class LlamaModel:
         so the bits are those of the step run whole."""
         out = torch.empty_like(hidden)
         d = split.decode_rows
-        out[d] = step.run(hidden[d], positions[d], split.decode, kv_cache)
+        out[d] = step.run(decode_hidden, positions[d], split.decode, kv_cache)
         r = split.rest_rows
         out[r] = self._layers_forward(hidden[r], positions[r], split.rest, kv_cache)
         return out

@@ -176,7 +176,7 @@ def library() -> ctypes.CDLL | None:
 
 
 MAX_HEAD_DIM, MAX_HEADS = 256, 64  # the C side's fixed buffers
-MIN_SEQUENCES_PER_THREAD = 2  # decode attention: at least this many sequences a thread
+MIN_UNITS_PER_THREAD = 2  # decode attention: at least this many (sequence, kv head) pairs a thread
 
 
 def _kernel_suffix(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
@@ -211,7 +211,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, 
     out = torch.empty_like(q)
     attention(q.data_ptr(), out.data_ptr(), scores.data_ptr(), scale, kv_cache.data_ptr(), tables.data_ptr(),
               lens.data_ptr(), b, tables.shape[1], h, kvh, d, block_size_of(kv_cache), layers * 2 * chunk,
-              2 * layer * chunk, (2 * layer + 1) * chunk, scores.shape[2], threads_for(b, MIN_SEQUENCES_PER_THREAD))
+              2 * layer * chunk, (2 * layer + 1) * chunk, scores.shape[2], threads_for(b * kvh, MIN_UNITS_PER_THREAD))
     return out
 
 

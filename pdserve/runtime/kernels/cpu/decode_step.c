@@ -40,10 +40,11 @@ void silu_mul_f32(const float* gate_up, int64_t stride, int64_t n, int64_t inter
 int kv_write_rows(char* cache, const char* k, int64_t k_stride, const char* v, int64_t v_stride, const int64_t* slots,
                   int64_t n, int64_t row_bytes, int64_t block_size, int64_t block_stride, int64_t k_offset,
                   int64_t num_slots);
-int paged_attention_f32_f32_heads(const float* q, float* out, float* scores, float scale, const float* cache,
-                                  const int64_t* table, const int64_t* len, int64_t max_blocks, int64_t heads,
-                                  int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride,
-                                  int64_t k_offset, int64_t v_offset, int64_t t_pad, int64_t g0, int64_t g1);
+int paged_attention_f32_f32_units(const float* q, float* out, float* scores, float scale, const float* cache,
+                                  const int64_t* block_tables, const int64_t* context_lens, int64_t max_blocks,
+                                  int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                                  int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad, int64_t u0,
+                                  int64_t u1);
 int int4_linear_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
                     const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride);
 int int4_linear_exact_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
@@ -54,11 +55,11 @@ void add_rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* resi
 int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
               const float* cos, const float* sin, int64_t max_positions, uint16_t* out);
 void silu_mul_bf16(const uint16_t* gate_up, int64_t stride, int64_t n, int64_t inter, uint16_t* out);
-int paged_attention_bf16_bf16_heads(const uint16_t* q, uint16_t* out, float* scores, float scale,
-                                    const uint16_t* cache, const int64_t* table, const int64_t* len,
+int paged_attention_bf16_bf16_units(const uint16_t* q, uint16_t* out, float* scores, float scale,
+                                    const uint16_t* cache, const int64_t* block_tables, const int64_t* context_lens,
                                     int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,
                                     int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
-                                    int64_t t_pad, int64_t g0, int64_t g1);
+                                    int64_t t_pad, int64_t u0, int64_t u1);
 int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride);
@@ -237,35 +238,23 @@ static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, 
     *hi = part_start(total, id + 1, parts, align);
 }
 
-// Decode attention of kv heads [g0, g1) of sequence r over layer l of the cache (its K rows, then
-// its V rows a block further): the query heads of those kv heads, each as over all heads at once.
-static void attention_heads(const DecodeStep* s, const Scratch* b, int64_t r, int64_t l, int64_t g0, int64_t g1) {
+// Member id's share of layer l's attention (its K rows, then its V rows a block further): a range of
+// the step's (sequence, kv head) pairs (paged_attention.c's units, as its threaded entry points split them).
+static void attention_part(const DecodeStep* s, const Scratch* b, int64_t l, int id, int parts) {
     const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd;
     const int64_t block_stride = s->cache_layers * 2 * s->block_size * row, t_pad = s->max_blocks * s->block_size;
     const int64_t k_offset = l * 2 * s->block_size * row, v_offset = (l * 2 + 1) * s->block_size * row;
-    const int64_t *table = s->block_tables + r * s->max_blocks, *len = s->context_lens + r;
-    float* scores = b->scores + r * H * t_pad;
-    if (s->bf16)
-        paged_attention_bf16_bf16_heads((const uint16_t*)AT(b->q, r * H * hd), (uint16_t*)AT(b->attn, r * H * hd),
-                                        scores, s->scale, s->cache, table, len, s->max_blocks, H, KVH, hd,
-                                        s->block_size, block_stride, k_offset, v_offset, t_pad, g0, g1);
-    else
-        paged_attention_f32_f32_heads((const float*)AT(b->q, r * H * hd), (float*)AT(b->attn, r * H * hd), scores,
-                                      s->scale, s->cache, table, len, s->max_blocks, H, KVH, hd, s->block_size,
-                                      block_stride, k_offset, v_offset, t_pad, g0, g1);
-}
-
-// Member id's share of layer l's attention: the (sequence, kv head) pairs split over the members, so
-// that a step of fewer sequences than threads still spreads (one sequence: its 3 kv heads on 2).
-static void attention_part(const DecodeStep* s, const Scratch* b, int64_t l, int id, int parts) {
     int64_t u0, u1;
-    share(s->batch * s->kv_heads, id, parts, 1, &u0, &u1);
-    for (int64_t u = u0; u < u1;) {
-        const int64_t r = u / s->kv_heads, g0 = u % s->kv_heads;
-        const int64_t g1 = s->kv_heads < g0 + u1 - u ? s->kv_heads : g0 + u1 - u;
-        attention_heads(s, b, r, l, g0, g1);
-        u += g1 - g0;
-    }
+    share(s->batch * KVH, id, parts, 1, &u0, &u1);
+    if (u1 <= u0) return;
+    if (s->bf16)
+        paged_attention_bf16_bf16_units((const uint16_t*)b->q, (uint16_t*)b->attn, b->scores, s->scale, s->cache,
+                                        s->block_tables, s->context_lens, s->max_blocks, H, KVH, hd, s->block_size,
+                                        block_stride, k_offset, v_offset, t_pad, u0, u1);
+    else
+        paged_attention_f32_f32_units((const float*)b->q, (float*)b->attn, b->scores, s->scale, s->cache,
+                                      s->block_tables, s->context_lens, s->max_blocks, H, KVH, hd, s->block_size,
+                                      block_stride, k_offset, v_offset, t_pad, u0, u1);
 }
 
 // A projection's output rows split over the team (aligned to the kernel's 2-row tiles).

@@ -289,8 +289,10 @@ void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_le
 // One sequence's query heads of kv heads [g0, g1) (q, out: its [H, D]; scores: its [H, T_pad]
 // scratch): their scores, the softmax in place, then out, each head as a call over all heads computes
 // it. k_offset and v_offset: where the layer's keys and values start in a block (cache elements).
-// `NAME` runs every head of B sequences; `NAME##_heads` (the one-call decode step's, when it has
-// fewer sequences than threads) a span of one sequence's.
+// `NAME##_units` runs units [u0, u1) of B sequences' (sequence, kv head) pairs, in order, each
+// sequence's run of them as one `NAME##_heads` call: the one split of the work, by the one-call decode
+// step's members and by `NAME##_threads` (below), so that a step of fewer sequences than threads still
+// spreads (one sequence: its kv heads over the threads). `NAME` runs every head of B sequences.
 #define DEFINE_ATTENTION(NAME, TQ, TC, SCORES, VALUES)                                                       \
     int NAME##_heads(const TQ* q, TQ* out, float* scores, float scale, const TC* cache, const int64_t* table,  \
                      const int64_t* len, int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,      \
@@ -304,16 +306,27 @@ void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_le
         return VALUES(scores + h0 * t_pad, out + h0 * dim, cache, table, len, 1, max_blocks, n, g1 - g0, dim,   \
                       block_size, block_stride, v_offset + g0 * dim, t_pad, row);                             \
     }                                                                                                         \
+    int NAME##_units(const TQ* q, TQ* out, float* scores, float scale, const TC* cache,                       \
+                     const int64_t* block_tables, const int64_t* context_lens, int64_t max_blocks, int64_t heads, \
+                     int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride, int64_t k_offset,   \
+                     int64_t v_offset, int64_t t_pad, int64_t u0, int64_t u1) {                               \
+        for (int64_t u = u0; u < u1;) {                                                                       \
+            const int64_t b = u / kv_heads, g0 = u % kv_heads;                                                \
+            const int64_t g1 = kv_heads < g0 + u1 - u ? kv_heads : g0 + u1 - u;                               \
+            if (NAME##_heads(q + b * heads * dim, out + b * heads * dim, scores + b * heads * t_pad, scale, cache, \
+                             block_tables + b * max_blocks, context_lens + b, max_blocks, heads, kv_heads, dim,   \
+                             block_size, block_stride, k_offset, v_offset, t_pad, g0, g1))                    \
+                return 1;                                                                                     \
+            u += g1 - g0;                                                                                     \
+        }                                                                                                     \
+        return 0;                                                                                             \
+    }                                                                                                         \
     int NAME(const TQ* q, TQ* out, float* scores, float scale, const TC* cache, const int64_t* block_tables,  \
              const int64_t* context_lens, int64_t batch, int64_t max_blocks, int64_t heads, int64_t kv_heads,  \
              int64_t dim, int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,        \
              int64_t t_pad) {                                                                                 \
-        for (int64_t b = 0; b < batch; b++)                                                                   \
-            if (NAME##_heads(q + b * heads * dim, out + b * heads * dim, scores + b * heads * t_pad, scale, cache, \
-                             block_tables + b * max_blocks, context_lens + b, max_blocks, heads, kv_heads, dim,   \
-                             block_size, block_stride, k_offset, v_offset, t_pad, 0, kv_heads))               \
-                return 1;                                                                                     \
-        return 0;                                                                                             \
+        return NAME##_units(q, out, scores, scale, cache, block_tables, context_lens, max_blocks, heads, kv_heads, \
+                            dim, block_size, block_stride, k_offset, v_offset, t_pad, 0, batch * kv_heads);   \
     }
 
 // Names: paged_attention_<query dtype>_<cache dtype>.
@@ -361,21 +374,25 @@ DEFINE_ATTENTION(paged_attention_f32_f32, float, float, scores_f32_any, values_f
 DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)
 DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)
 
-// The entry points Python calls (cpu_attention): one sequence at a time over `threads` OpenMP threads
-// (threads.h), dynamically (sequences differ in length). A sequence's output is the same whatever
-// the split: each is computed alone, in its own fixed order.
+// The entry points Python calls (cpu_attention): the (sequence, kv head) units in `threads` contiguous
+// parts over OpenMP threads (threads.h), as the one-call decode step splits them. A sequence's output
+// is the same whatever the split: each head is computed alone, in its own fixed order.
 #define DEFINE_THREADED_ATTENTION(NAME, TQ, TC)                                                               \
     int NAME##_threads(const TQ* q, TQ* out, float* scores, float scale, const TC* cache,                      \
                        const int64_t* block_tables, const int64_t* context_lens, int64_t batch,               \
                        int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,   \
                        int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t t_pad,                \
                        int64_t threads) {                                                                     \
+        if (threads <= 1)                                                                                     \
+            return NAME(q, out, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,   \
+                        kv_heads, dim, block_size, block_stride, k_offset, v_offset, t_pad);                  \
         int failed = 0;                                                                                       \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|:failed) if(threads > 1)") \
-        for (int64_t b = 0; b < batch; b++)                                                                   \
-            failed |= NAME(q + b * heads * dim, out + b * heads * dim, scores + b * heads * t_pad, scale, cache, \
-                           block_tables + b * max_blocks, context_lens + b, 1, max_blocks, heads, kv_heads, dim, \
-                           block_size, block_stride, k_offset, v_offset, t_pad);                              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(|:failed)")                   \
+        for (int64_t p = 0; p < threads; p++)                                                                 \
+            failed |= NAME##_units(q, out, scores, scale, cache, block_tables, context_lens, max_blocks, heads, \
+                                   kv_heads, dim, block_size, block_stride, k_offset, v_offset, t_pad,        \
+                                   part_start(batch * kv_heads, p, threads, 1),                               \
+                                   part_start(batch * kv_heads, p + 1, threads, 1));                          \
         return failed;                                                                                        \
     }
 
