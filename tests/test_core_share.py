@@ -123,15 +123,26 @@ def _steps_logits(engine: Engine, batches: list[list[list[int]]], max_tokens: in
 
 def _one_thread_then_toggled(run: Callable[[bool], object]) -> tuple[object, object]:
     """run(False) and run(True) on a thread of its own that claims one thread (the OpenMP count set
-    is the calling thread's)."""
+    is the calling thread's), in a worker's process state: torch's process-wide count 1.
+
+    That count is also MKL's, which an op on one OpenMP thread calls outside a parallel region: after
+    torch.set_num_threads(2) (as other tests leave it), the fp32 flash attention of a prompt chunk
+    after a prefix gave other bits on one claimed thread than on two (SmolLM2's 9 heads, 39 queries
+    over 103 keys), and this test failed in such an order. A worker sets 1 before its first op
+    (compute_threads.one_thread_by_default), so its MKL calls run on one thread whatever it claims."""
     box = {}
 
     def body() -> None:
         compute_threads.claim(1)
         box["one"], box["switched"] = run(False), run(True)
-    worker = threading.Thread(target=body)
-    worker.start()
-    worker.join()
+    before = torch.get_num_threads()
+    compute_threads.one_thread_by_default(1)
+    try:
+        worker = threading.Thread(target=body)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
     return box["one"], box["switched"]
 
 

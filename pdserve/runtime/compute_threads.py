@@ -39,7 +39,12 @@ def default_threads() -> int:
 
 def one_thread_by_default(threads: int) -> int:
     """Sets the process-wide torch count to 1 and returns the count the engine thread should claim:
-    `threads`, or all cores for 0."""
+    `threads`, or all cores for 0.
+
+    The process-wide count is also MKL's, which an op on one OpenMP thread calls outside a parallel
+    region (inside one MKL runs on one thread): at 1, a GEMM inside an op has the same bits whether the
+    engine thread holds one thread or more, so switching the claim (runtime.core_share) changes no bit.
+    At 2 it did not: torch's fp32 flash attention of a prompt chunk after a prefix differed."""
     claimed = threads or default_threads()
     torch.set_num_threads(1)
     return claimed
