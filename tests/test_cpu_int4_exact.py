@@ -19,8 +19,9 @@ from test_cpu_int4_matmul import _dequantized, _nibbles, _random_int4
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the CPU kernels")
 
-# (rows, outputs, inputs): the 4-row tile's tails, an odd output count (the 2-row tail), one group
-SHAPES = [(1, 577, 576), (3, 64, 96), (5, 130, 64), (9, 7, 32), (32, 96, 576)]
+# (rows, outputs, inputs): the 4-row tile's tails, an odd output count (the 2-row tail), one group;
+# from 14 rows the panel GEMM (int4_exact.c): 16-row tiles, a last block of 5 rows, output tails
+SHAPES = [(1, 577, 576), (3, 64, 96), (5, 130, 64), (9, 7, 32), (32, 96, 576), (21, 47, 64)]
 
 
 def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,29 +61,32 @@ def test_exact_int8_kernel_is_the_dequantized_matmul_to_fp32_rounding(shape):
 def test_a_row_gets_the_same_bits_alone_in_a_batch_strided_and_on_any_thread_count(threads):
     """Each row's sums run over the groups in one order whatever the call holds: rows alone equal
     rows together (a token's logits do not depend on its batch; 11 rows: a tile of 8 rows and one
-    output, then one of 3 rows and two outputs), strided inputs equal contiguous ones, and threads
-    split the outputs without changing a bit."""
+    output, then one of 3 rows and two outputs; 21 and 29 rows: the panel GEMM's 6 x 16 tiles, then
+    a last block of 5 rows in 12 x 8 tiles or of 13 in a 6 x 16 tile, and, for the head's 1030
+    outputs, panels of fewer outputs), strided inputs equal contiguous ones, and threads split the
+    outputs without changing a bit."""
     gen = torch.Generator().manual_seed(7)
     codes, scale, mins = _random_int4(1536, 576, gen)
     nib = _nibbles(codes)
-    wide = torch.randn(11, 700, generator=gen)
+    wide = torch.randn(29, 700, generator=gen)
     x = wide[:, :576]  # row stride 700
     c8 = torch.randint(-127, 128, (1030, 576), generator=gen, dtype=torch.int8)
     s8 = torch.rand(1030, 18, generator=gen) * 0.01
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = kernel.matmul_exact(x, nib, scale, mins)
         alone = torch.cat([kernel.matmul_exact(x[i:i + 1], nib, scale, mins) for i in range(x.shape[0])])
-        head_together = kernel.matmul_int8_exact(x, c8, s8)
         head_alone = torch.cat([kernel.matmul_int8_exact(x[i:i + 1], c8, s8) for i in range(x.shape[0])])
+        for rows in (11, 21, 29):
+            together = kernel.matmul_exact(x[:rows], nib, scale, mins)
+            assert torch.equal(together, alone[:rows])
+            assert torch.equal(together, kernel.matmul_exact(x[:rows].contiguous(), nib, scale, mins))
+            assert torch.equal(kernel.matmul_int8_exact(x[:rows], c8, s8), head_alone[:rows])
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(together, alone) and torch.equal(together, kernel.matmul_exact(x.contiguous(), nib, scale, mins))
-    assert torch.equal(head_together, head_alone)
     torch.set_num_threads(1)
     try:
-        assert torch.equal(together, kernel.matmul_exact(x, nib, scale, mins))
+        assert torch.equal(alone, kernel.matmul_exact(x, nib, scale, mins))
     finally:
         torch.set_num_threads(before)
 

@@ -35,12 +35,15 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # One library from all sources (one build, one cache entry, one portable file): the decode attention's
 # fp32 AVX2 passes (paged_attention_f32.c); the INT8 KV write (kv_write.c, loaded by cpu_kv_write)
 # ships with the decode attention that reads what it writes; the 4- and 8-bit weight matmuls
-# (int4_matmul.c for fp32 inputs, bf16_matmul.c for an 8-bit head's bf16 inputs: both through
-# cpu_int4_matmul), the layer's row operations (layer_ops.c, cpu_layer_ops) and the one-call decode
-# step built on all of them (decode_step.c, cpu_decode_step).
+# (int4_matmul.c for fp32 inputs quantized to int8, int4_exact.c for them as they are, bf16_matmul.c
+# for an 8-bit head's bf16 inputs: all through cpu_int4_matmul), the layer's row operations
+# (layer_ops.c, cpu_layer_ops) and the one-call decode step built on all of them (decode_step.c,
+# cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
-    "paged_attention_f32.c", "kv_write.c", "int4_matmul.c", "bf16_matmul.c", "layer_ops.c", "decode_step.c")))
-HEADERS = (SOURCE.with_name("bf16.h"), SOURCE.with_name("threads.h"))  # included: part of the cache key
+    "paged_attention_f32.c", "kv_write.c", "int4_matmul.c", "int4_exact.c", "bf16_matmul.c", "layer_ops.c",
+    "decode_step.c")))
+# included: part of the cache key
+HEADERS = tuple(SOURCE.with_name(name) for name in ("bf16.h", "threads.h", "int4_common.h"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 # -fopenmp: its entry points split their work on the calling thread's OpenMP team, torch's own
 # (kernels/cpu/threads.h says why).

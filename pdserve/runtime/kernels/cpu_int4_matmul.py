@@ -1,5 +1,6 @@
 """4- and 8-bit weights times fp32 activations on the CPU with the C functions of
-kernels/cpu/int4_matmul.c (built into cpu_attention's library).
+kernels/cpu/int4_matmul.c (inputs quantized to int8) and int4_exact.c (inputs as they are), built
+into cpu_attention's library.
 
 torch's CPU int4 kernel is fast with bf16 / fp16 activations only; where the compute dtype is fp32
 (a CPU without native bf16) it is slower than the dense fp32 matmul. The C kernel quantizes each

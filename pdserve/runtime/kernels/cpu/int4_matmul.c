@@ -28,10 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define INT4_AVX2 1
-#endif
+#include "int4_common.h"
 // AVX-512 with VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later): two groups a 512-bit vector, and
 // one vpdpbusd for the AVX2 path's maddubs + madd. The group's integer dot is the same (no int16
 // saturation is possible in either: |q x| <= 2 * 128 * 127 a pair); only the order of the fp32 sums
@@ -46,7 +43,6 @@
 #define INPUT_TILE 4
 #endif
 
-#define GROUP 32
 #define QMAX 127.0f
 
 // Inputs [M, K] -> xq [M, K] int8 (each group's even inputs, then its odd ones; in input order where
@@ -88,12 +84,6 @@ static inline float dot_f32(const float* a, const float* b, int64_t groups) {
 }
 
 #ifdef INT4_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 // One group's 16 code bytes -> 32 unsigned bytes: [low nibbles (even codes) | high nibbles (odd)].
 static inline __m256i unpack_group(const uint8_t* codes) {
@@ -351,196 +341,4 @@ int int4_linear_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_
                              const float* scale, const float* mins, const float* bias, int64_t n, uint16_t* y,
                              int64_t y_stride, int64_t threads) {
     LINEAR_THREADS(int4_linear_bf16(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride))
-}
-
-// ---- Exact inputs (W4A32 / W8A32): the same codes times the fp32 inputs as they are ----
-//
-// Why: the int8 inputs above are llama.cpp's method and its quality: SmolLM2's greedy answers change
-// with them (docs/quantization.md). A CPU without native bf16 computes in fp32, where the dense
-// matmul reads 8x the 4-bit codes' bytes: a one-stream step is then its memory's speed (SmolLM2 on a
-// 2-core AVX2 EPYC: 43 ms dense, 5.9 with int8 inputs). Here each weight is dequantized in registers,
-// w = q * scale + min (one fma, as `Int4Linear.dequantized` but fused: so within fp32 rounding of it,
-// not its bits), and multiplied with the unquantized inputs: the dequantized weight's matmul, read at
-// the codes' size. A row's sums go over groups in one fixed order whatever else the call holds, so a
-// token's output does not depend on its batch (tests/test_cpu_int4_matmul.py).
-//
-// 4-bit inputs are put in the codes' unpacked order ([16 even | 16 odd] a group) once a call, so that
-// a group's codes unpack with two masks; 8-bit codes are in input order and signed (min unused).
-
-// x [M, K] -> xp [M, K]: each group's even inputs, then its odd ones (the codes' unpacked order).
-static void exact_reorder_groups(const float* x, int64_t m, int64_t k, int64_t x_stride, float* xp) {
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < k / GROUP; g++) {
-            const float* v = x + r * x_stride + g * GROUP;
-            float* out = xp + r * k + g * GROUP;
-            for (int i = 0; i < GROUP / 2; i++) {
-                out[i] = v[2 * i];
-                out[GROUP / 2 + i] = v[2 * i + 1];
-            }
-        }
-}
-
-#ifdef INT4_AVX2
-#define EXACT_INPUT_TILE 4
-// Full tiles of this many input rows take one output row at a time: a group's 4 dequantized vectors
-// serve 8 rows (8 accumulators, 13 registers) where two output rows' 8 serve 4.
-#define EXACT_ROWS_TILE 8
-// One group's 32 weights of an output row, dequantized into 4 vectors of 8, in xp's order (4-bit:
-// the low nibbles of code bytes 0-7, 8-15, then their high nibbles).
-static inline __attribute__((always_inline)) void exact_weights(const uint8_t* codes, int bits, float scale,
-                                                                float min, __m256 w[4]) {
-    const __m256 s = _mm256_set1_ps(scale), mn = _mm256_set1_ps(min);
-    if (bits == 4) {
-        const __m128i b = _mm_loadu_si128((const __m128i*)codes), low4 = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int p = 0; p < 4; p++) w[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p])), s, mn);
-    } else {
-        for (int p = 0; p < 4; p++) {
-            const __m128i c = _mm_loadl_epi64((const __m128i*)(codes + 8 * p));
-            w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), s);
-        }
-    }
-}
-
-// y for NR output rows [n, n + NR) and MT input rows [r, r + MT): NR x MT accumulators of 8 lanes.
-// A group's weights of both rows are dequantized first (8 vectors: with the accumulators more than
-// AVX2's 16 registers, but a quarter at a time measured slower: 90.8 against 74.5 ms for SmolLM2's
-// 30 layers at 32 rows, 2 threads).
-static inline __attribute__((always_inline)) void exact_tile(const uint8_t* codes, const float* scale,
-                                                             const float* mins, int64_t n, int nr, int64_t k,
-                                                             const float* xp, int64_t r, int mt, float* y,
-                                                             int64_t y_stride, int bits) {
-    const int64_t groups = k / GROUP, row_bytes = bits == 4 ? k / 2 : k, group_bytes = bits == 4 ? GROUP / 2 : GROUP;
-    __m256 acc[2][EXACT_ROWS_TILE];
-    for (int i = 0; i < nr; i++)
-        for (int j = 0; j < mt; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 w[2][4];
-        for (int i = 0; i < nr; i++) {
-            const uint8_t* c = codes + (n + i) * row_bytes + g * group_bytes;
-            __builtin_prefetch(c + 8 * row_bytes);  // as the int8-input tile's
-            exact_weights(c, bits, scale[(n + i) * groups + g], bits == 4 ? mins[(n + i) * groups + g] : 0.0f, w[i]);
-        }
-        for (int p = 0; p < 4; p++)
-            for (int j = 0; j < mt; j++) {
-                const __m256 xv = _mm256_loadu_ps(xp + (r + j) * k + g * GROUP + 8 * p);
-                for (int i = 0; i < nr; i++) acc[i][j] = _mm256_fmadd_ps(w[i][p], xv, acc[i][j]);
-            }
-    }
-    for (int i = 0; i < nr; i++)
-        for (int j = 0; j < mt; j++) y[(r + j) * y_stride + n + i] = hsum256(acc[i][j]);
-}
-
-#define EXACT_TILE(NR, MT) \
-    (bits == 4 ? exact_tile(codes, scale, mins, n, NR, k, xp, r, MT, y, y_stride, 4) \
-               : exact_tile(codes, scale, mins, n, NR, k, xp, r, MT, y, y_stride, 8))
-
-static void exact_tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr,
-                                int64_t k, const float* xp, int64_t r, int mt, float* y, int64_t y_stride, int bits) {
-    switch (nr * 16 + mt) {
-        case 1 * 16 + EXACT_ROWS_TILE: EXACT_TILE(1, EXACT_ROWS_TILE); break;
-        case 2 * 16 + 4: EXACT_TILE(2, 4); break;
-        case 2 * 16 + 3: EXACT_TILE(2, 3); break;
-        case 2 * 16 + 2: EXACT_TILE(2, 2); break;
-        case 2 * 16 + 1: EXACT_TILE(2, 1); break;
-        case 1 * 16 + 4: EXACT_TILE(1, 4); break;
-        case 1 * 16 + 3: EXACT_TILE(1, 3); break;
-        case 1 * 16 + 2: EXACT_TILE(1, 2); break;
-        default: EXACT_TILE(1, 1); break;
-    }
-}
-#else
-#define EXACT_INPUT_TILE 4
-#define EXACT_ROWS_TILE 8
-// Portable: the same weights (fmaf) and, per output, 8 partial sums over the group's lanes as the
-// vector code keeps them, added in the same order.
-static void exact_tile_dispatch(const uint8_t* codes, const float* scale, const float* mins, int64_t n, int nr,
-                                int64_t k, const float* xp, int64_t r, int mt, float* y, int64_t y_stride, int bits) {
-    const int64_t groups = k / GROUP, row_bytes = bits == 4 ? k / 2 : k;
-    for (int i = 0; i < nr; i++) {
-        const uint8_t* c = codes + (n + i) * row_bytes;
-        for (int j = 0; j < mt; j++) {
-            const float* xr = xp + (r + j) * k;
-            float lane[8] = {0};
-            for (int64_t g = 0; g < groups; g++) {
-                const float s = scale[(n + i) * groups + g], mn = bits == 4 ? mins[(n + i) * groups + g] : 0.0f;
-                for (int e = 0; e < GROUP; e++) {
-                    int q;
-                    if (bits == 4) {
-                        const uint8_t byte = c[g * (GROUP / 2) + e % 16];
-                        q = e < 16 ? (byte & 0x0F) : (byte >> 4);
-                    } else {
-                        q = (int8_t)c[g * GROUP + e];
-                    }
-                    const float w = bits == 4 ? fmaf((float)q, s, mn) : (float)q * s;
-                    lane[e % 8] = fmaf(w, xr[g * GROUP + e], lane[e % 8]);
-                }
-            }
-            float sum = 0.0f;
-            for (int e = 0; e < 8; e++) sum += lane[e];
-            y[(r + j) * y_stride + n + i] = sum;
-        }
-    }
-}
-#endif
-
-// Output rows [n0, n1) of x [M, K] times the codes, inputs unquantized (+ bias[n] where not NULL).
-// Returns 0, or -1 where the scratch cannot be had.
-static int linear_exact(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                        const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, float* y,
-                        int64_t y_stride, int bits) {
-    const float* xp = x;
-    float* scratch = NULL;
-    if (bits == 4) {
-        scratch = malloc(sizeof(float) * (size_t)(m * k));
-        if (scratch == NULL) return -1;
-        exact_reorder_groups(x, m, k, x_stride, scratch);
-        xp = scratch;
-    } else if (x_stride != k) {
-        scratch = malloc(sizeof(float) * (size_t)(m * k));
-        if (scratch == NULL) return -1;
-        for (int64_t r = 0; r < m; r++) memcpy(scratch + r * k, x + r * x_stride, sizeof(float) * (size_t)k);
-        xp = scratch;
-    }
-    // Each output's sums take one order whatever the tile (per lane over groups, then the lanes), so
-    // rows give the same bits in any tile.
-    for (int64_t n = n0; n < n1; n += 2) {
-        const int nr = n + 2 <= n1 ? 2 : 1;
-        int64_t r = 0;
-        for (; r + EXACT_ROWS_TILE <= m; r += EXACT_ROWS_TILE)
-            for (int i = 0; i < nr; i++)
-                exact_tile_dispatch(codes, scale, mins, n + i, 1, k, xp, r, EXACT_ROWS_TILE, y, y_stride, bits);
-        for (; r < m; r += EXACT_INPUT_TILE) {
-            const int mt = r + EXACT_INPUT_TILE <= m ? EXACT_INPUT_TILE : (int)(m - r);
-            exact_tile_dispatch(codes, scale, mins, n, nr, k, xp, r, mt, y, y_stride, bits);
-        }
-    }
-    free(scratch);
-    if (bias != NULL)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t n = n0; n < n1; n++) y[r * y_stride + n] += bias[n];
-    return 0;
-}
-
-int int4_linear_exact_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                          const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, float* y,
-                          int64_t y_stride) {
-    return linear_exact(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride, 4);
-}
-
-int int8_linear_exact_f32(const float* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* codes,
-                          const float* scale, int64_t n0, int64_t n1, float* y, int64_t y_stride) {
-    return linear_exact(x, m, k, x_stride, (const uint8_t*)codes, scale, NULL, NULL, n0, n1, y, y_stride, 8);
-}
-
-int int4_linear_exact_f32_threads(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                                  const float* scale, const float* mins, const float* bias, int64_t n, float* y,
-                                  int64_t y_stride, int64_t threads) {
-    LINEAR_THREADS(int4_linear_exact_f32(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride))
-}
-
-int int8_linear_exact_f32_threads(const float* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* codes,
-                                  const float* scale, int64_t n, float* y, int64_t y_stride, int64_t threads) {
-    LINEAR_THREADS(int8_linear_exact_f32(x, m, k, x_stride, codes, scale, n0, n1, y, y_stride))
 }
