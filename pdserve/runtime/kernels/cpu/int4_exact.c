@@ -100,15 +100,39 @@ static inline __attribute__((always_inline)) void exact_tile(const uint8_t* code
 #define PANEL_FROM_ROWS 14
 #endif
 
+// r[i][l] -> r[l][i]: an 8 x 8 block of floats transposed in registers.
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {  // rows h .. h + 3: columns l and l + 4 in each vector's halves
+        u[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+        u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+        u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+        u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+    }
+    for (int l = 0; l < 4; l++) {
+        r[l] = _mm256_permute2f128_ps(u[l], u[l + 4], 0x20);
+        r[l + 4] = _mm256_permute2f128_ps(u[l], u[l + 4], 0x31);
+    }
+}
+
 // xp [M, K] -> xt [ceil(M / 8)][8][K / 8][8]: row block b's input 8j + l of row 8b + i at
 // xt[b][l][j][i]; rows past M are 0.
 static void panel_inputs(const float* xp, int64_t m, int64_t k, float* xt) {
     const int64_t steps = k / 8, blocks = (m + PANEL_ROWS - 1) / PANEL_ROWS;
-    memset(xt, 0, sizeof(float) * (size_t)(blocks * k * PANEL_ROWS));
-    for (int64_t r = 0; r < m; r++) {
-        float* block = xt + (r / PANEL_ROWS) * k * PANEL_ROWS + r % PANEL_ROWS;
-        for (int64_t j = 0; j < steps; j++)
-            for (int l = 0; l < 8; l++) block[(l * steps + j) * PANEL_ROWS] = xp[r * k + 8 * j + l];
+    for (int64_t b = 0; b < blocks; b++) {
+        const int rows = (b + 1) * PANEL_ROWS <= m ? PANEL_ROWS : (int)(m - b * PANEL_ROWS);
+        float* block = xt + b * k * PANEL_ROWS;
+        for (int64_t j = 0; j < steps; j++) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = i < rows ? _mm256_loadu_ps(xp + (b * PANEL_ROWS + i) * k + 8 * j) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int l = 0; l < 8; l++) _mm256_storeu_ps(block + (l * steps + j) * PANEL_ROWS, r[l]);
+        }
     }
 }
 
