@@ -9,13 +9,13 @@
 #include <string.h>
 
 // Why: the int8 inputs of int4_matmul.c are llama.cpp's method and its quality: SmolLM2's greedy
-// answers change with them (docs/quantization.md). A CPU without native bf16 computes in fp32, where the dense
-// matmul reads 8x the 4-bit codes' bytes: a one-stream step is then its memory's speed (SmolLM2 on a
-// 2-core AVX2 EPYC: 43 ms dense, 5.9 with int8 inputs). Here each weight is dequantized in registers,
-// w = q * scale + min (one fma, as `Int4Linear.dequantized` but fused: so within fp32 rounding of it,
-// not its bits), and multiplied with the unquantized inputs: the dequantized weight's matmul, read at
-// the codes' size. A row's sums go over groups in one fixed order whatever else the call holds, so a
-// token's output does not depend on its batch (tests/test_cpu_int4_matmul.py).
+// answers change with them (docs/quantization.md). A CPU without native bf16 computes in fp32, where
+// the dense matmul reads 8x the 4-bit codes' bytes: a one-stream step is then its memory's speed
+// (SmolLM2 on a 2-core AVX2 EPYC: 43 ms dense, 5.9 with int8 inputs). Here each weight is dequantized
+// in registers, w = q * scale + min (one fma, as `Int4Linear.dequantized` but fused: so within fp32
+// rounding of it, not its bits), and multiplied with the unquantized inputs: the dequantized weight's
+// matmul, read at the codes' size. A row's sums go over groups in one fixed order whatever else the
+// call holds, so a token's output does not depend on its batch (tests/test_cpu_int4_exact.py).
 //
 // 4-bit inputs are put in the codes' unpacked order ([16 even | 16 odd] a group) once a call, so that
 // a group's codes unpack with two masks; 8-bit codes are in input order and signed (min unused).
