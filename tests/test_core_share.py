@@ -61,6 +61,25 @@ def test_a_claim_lapses_after_hold_s_and_a_time_from_before_a_reboot_is_ignored(
         share.hold("gateway", 0)
 
 
+def test_a_step_longer_than_hold_s_keeps_its_claim_through_its_layers(tmp_path, monkeypatch):
+    """A prefill step of many tokens on one thread outlasts HOLD_S: its claim is held again between
+    layers, so the decode worker keeps seeing it (and stays narrow) until the step ends and it idles."""
+    now = [1000.0]
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: now[0])
+    share = CoreShare(tmp_path / "cores")
+    prefill = WorkerCores(share, "prefill", 0, wide=2, narrow=1, set_threads=lambda n: None)
+    decode = WorkerCores(share, "decode", 0, wide=2, narrow=1, set_threads=lambda n: None)
+    prefill.before_step()
+    for _ in range(30):  # 30 layers, each 0.1 HOLD_S: the step lasts 3 HOLD_S
+        now[0] += HOLD_S * 0.1
+        prefill.between_layers()
+    decode.before_step()
+    assert share.busy("prefill") and decode.budget == 1
+    prefill.idle()
+    decode.before_step()
+    assert decode.budget == 2
+
+
 @pytest.mark.parametrize("kind,other", [("decode", "prefill"), ("prefill", "decode")])
 def test_a_worker_widens_while_the_other_kind_idles_and_narrows_between_layers_when_it_starts(tmp_path, kind,
                                                                                               other):

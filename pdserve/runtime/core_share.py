@@ -9,8 +9,8 @@ stream's requests, while the next prompt is computed. A worker that keeps to its
 core unused: with one stream a 200-token prompt took 472 ms on one core against 320 on two.
 
 So the workers of a host map one small file: each worker writes to its slot there until when it is
-computing (refreshed before each of its steps, cleared when it idles; a worker that died is
-forgotten HOLD_S later), prefill workers in the first half, decode workers in the second. A worker
+computing (refreshed before each of its steps and between their layers, cleared when it idles; a
+worker that died is forgotten HOLD_S later), prefill workers in the first half, decode workers in the second. A worker
 steps on its `wide` thread count while no worker of the other kind is computing, and on its
 `narrow` share otherwise, checked before each step and between the layers of a step
 (`between_layers`), so that the other kind's work arriving mid-step waits at most about a layer for
@@ -103,6 +103,11 @@ class WorkerCores:
         self._use(self.budget)
 
     def between_layers(self) -> None:
+        # Held again here too: a prefill step of 512 tokens on one thread outlasts HOLD_S (~1.7 s for
+        # SmolLM2 fp32), and a claim lapsed mid-step told the decode worker that no prefill worker
+        # computed: its two threads then met the prefill's on two cores, and 330 of a 32-stream run's
+        # 500 one-call steps ran in its one-thread fallback for such loaded steps.
+        self.share.hold(self.kind, self.slot)
         if self.budget != self.narrow and self.share.busy(self.other):
             self.budget = self.narrow
         self._use(self.budget)
