@@ -10,11 +10,11 @@ core unused: with one stream a 200-token prompt took 472 ms on one core against 
 
 So the workers of a host map one small file: each worker writes to its slot there until when it is
 computing (refreshed before each of its steps and between their layers, cleared when it idles; a
-worker that died is forgotten HOLD_S later), prefill workers in the first half, decode workers in the second. A worker
-steps on its `wide` thread count while no worker of the other kind is computing, and on its
-`narrow` share otherwise, checked before each step and between the layers of a step
-(`between_layers`), so that the other kind's work arriving mid-step waits at most about a layer for
-its core (a one-call C decode step, a few milliseconds long, keeps the count it started with). Each
+worker that died is forgotten HOLD_S later), prefill workers in the first half, decode workers in
+the second. A worker steps on its `wide` thread count while no worker of the other kind is
+computing, and on its `narrow` share otherwise, checked before each step and between the layers of
+a step (`between_layers`), so that the other kind's work arriving mid-step waits at most about a
+layer for its core (a one-call C decode step, a few milliseconds long, keeps the count it started with). Each
 time is one aligned 8-byte store: a reader sees the old time or the new one.
 
 Workers that `pdserve scale` adds copy their kind's first command, so added workers share their
@@ -89,7 +89,7 @@ class WorkerCores:
                  set_threads: Callable[[int], None]) -> None:
         if not 1 <= narrow <= wide:
             raise ValueError(f"{kind} threads need 1 <= narrow ({narrow}) <= wide ({wide})")
-        share.release(kind, slot)  # no claim left from an earlier worker of this slot (and kind, slot checked)
+        share.release(kind, slot)  # no claim left from an earlier worker of this slot (kind, slot checked)
         self.share, self.kind, self.slot, self.wide, self.narrow = share, kind, slot, wide, narrow
         self.other = KINDS[1 - KINDS.index(kind)]
         self._set_threads = set_threads
