@@ -19,9 +19,10 @@ from test_cpu_int4_matmul import _dequantized, _nibbles, _random_int4
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the CPU kernels")
 
-# (rows, outputs, inputs): the 4-row tile's tails, an odd output count (the 2-row tail), one group;
-# from 14 rows the panel GEMM (int4_exact.c): 16-row tiles, a last block of 5 rows, output tails
-SHAPES = [(1, 577, 576), (3, 64, 96), (5, 130, 64), (9, 7, 32), (32, 96, 576), (21, 47, 64)]
+# (rows, outputs, inputs): the last 1-3 rows in narrow tiles (int4_exact.c: up to 8 outputs x 1 row,
+# 4 x 2, 2 x 3) after 8- and 4-row tiles, odd output counts (blocks of fewer than 8), one group; from
+# 14 rows the panel GEMM: 16-row tiles, a last block of 5 rows, output tails
+SHAPES = [(1, 577, 576), (2, 45, 64), (3, 64, 96), (5, 130, 64), (9, 7, 32), (32, 96, 576), (21, 47, 64)]
 
 
 def _fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,8 +61,10 @@ def test_exact_int8_kernel_is_the_dequantized_matmul_to_fp32_rounding(shape):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_gets_the_same_bits_alone_in_a_batch_strided_and_on_any_thread_count(threads):
     """Each row's sums run over the groups in one order whatever the call holds: rows alone equal
-    rows together (a token's logits do not depend on its batch; 11 rows: a tile of 8 rows and one
-    output, then one of 3 rows and two outputs; 21 and 29 rows: the panel GEMM's 6 x 16 tiles, then
+    rows together (a token's logits do not depend on its batch; a row alone: narrow tiles of 8
+    outputs; 6 rows: a tile of 4 rows and 2 outputs, then narrow tiles of 2 rows and 4 outputs; 11 and
+    13 rows: tiles of 8 rows and one output, then 3 rows in narrow tiles of 2 outputs, or a 4-row
+    tile and one row; 21 and 29 rows: the panel GEMM's 6 x 16 tiles, then
     a last block of 5 rows in 12 x 8 tiles or of 13 in a 6 x 16 tile, and, for the head's 1030
     outputs, panels of fewer outputs), strided inputs equal contiguous ones, and threads split the
     outputs without changing a bit."""
@@ -77,7 +80,7 @@ def test_a_row_gets_the_same_bits_alone_in_a_batch_strided_and_on_any_thread_cou
     try:
         alone = torch.cat([kernel.matmul_exact(x[i:i + 1], nib, scale, mins) for i in range(x.shape[0])])
         head_alone = torch.cat([kernel.matmul_int8_exact(x[i:i + 1], c8, s8) for i in range(x.shape[0])])
-        for rows in (11, 21, 29):
+        for rows in (6, 11, 13, 21, 29):
             together = kernel.matmul_exact(x[:rows], nib, scale, mins)
             assert torch.equal(together, alone[:rows])
             assert torch.equal(together, kernel.matmul_exact(x[:rows].contiguous(), nib, scale, mins))
