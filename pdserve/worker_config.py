@@ -25,7 +25,7 @@ RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
 DRAIN_TIMEOUT_ENV = "PDSERVE_DRAIN_TIMEOUT_S"
 # Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
 ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
-DECODE_ONLY = ("kv_write_back", "residency_interval_s")  # settings a prefill worker has no use for
+DECODE_ONLY = ("kv_write_back", "residency_interval_s", "decode_yield_s")  # settings a prefill worker has no use for
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,10 @@ class WorkerConfig(FromFlags):
                                    "host)", metavar="N")
     wide_threads: int = setting(0, "with --core-share: torch threads while no worker of the other kind on the "
                                 "host computes (0: --threads)", metavar="N")
+    decode_yield_s: float = setting(0.0, "decode, with --core-share: while a prefill worker of the host "
+                                    "computes and this worker's batch has room, leave the cores to it up to "
+                                    "this long after each step (0: never)", flag="--decode-yield-ms",
+                                    scale=1e3, metavar="MS")
     log_level: str = setting("INFO", "logging level", env=LOG_LEVEL_ENV, metavar="LEVEL")
     process: ProcessConfig = nested(ProcessConfig, "TLS, internal token, tracing and /metrics")
 

@@ -110,6 +110,101 @@ def test_a_worker_widens_while_the_other_kind_idles_and_narrows_between_layers_w
         WorkerCores(share, kind, 0, wide=1, narrow=2, set_threads=calls.append)
 
 
+def test_a_step_widens_between_layers_once_the_other_kind_idles(tmp_path):
+    """A prefill step that began narrow beside a computing decode worker takes both cores from the
+    next layer once the decode worker idles or yields, not only from its next step."""
+    share, calls = CoreShare(tmp_path / "cores"), []
+    share.hold("decode", 0)
+    prefill = WorkerCores(share, "prefill", 0, wide=2, narrow=1, set_threads=calls.append)
+    prefill.before_step()
+    prefill.between_layers()
+    assert (prefill.budget, calls) == (1, [])
+    share.release("decode", 0)
+    prefill.between_layers()
+    prefill.between_layers()
+    assert (prefill.budget, prefill.threads, calls) == (2, 2, [2])
+
+
+def test_a_decode_worker_yields_to_a_computing_prefill_worker_for_at_most_yield_s(tmp_path, monkeypatch):
+    """While a prefill worker computes and the decode batch has room, the decode worker yields (so
+    the prefill worker widens), until yield_s after its last step began: then it steps, narrow,
+    and the prefill worker narrows at its next layer. Never with a full batch, an idle prefill
+    worker, or yield_s 0."""
+    now = [1000.0]
+    monkeypatch.setattr(core_share.time, "monotonic", lambda: now[0])
+    share = CoreShare(tmp_path / "cores")
+    prefill = WorkerCores(share, "prefill", 0, wide=2, narrow=1, set_threads=lambda n: None)
+    decode = WorkerCores(share, "decode", 0, wide=2, narrow=1, set_threads=lambda n: None, yield_s=0.3)
+    never = WorkerCores(share, "decode", 1, wide=2, narrow=1, set_threads=lambda n: None)
+    decode.before_step()
+    assert not decode.yields(4, 32)  # no prefill worker computes
+    prefill.before_step()
+    assert prefill.budget == 1
+    now[0] += 0.1
+    assert decode.yields(4, 32) and not decode.yields(32, 32)
+    never.before_step()
+    assert not never.yields(4, 32)
+    never.idle()
+    decode.idle()  # as the engine does while it yields
+    prefill.between_layers()
+    assert prefill.budget == 2
+    now[0] += 0.2  # yield_s since its last step began
+    assert not decode.yields(4, 32)
+    decode.before_step()
+    prefill.between_layers()
+    assert decode.budget == 1 and prefill.budget == 1
+    with pytest.raises(ValueError, match="yield"):
+        WorkerCores(share, "decode", 2, wide=2, narrow=1, set_threads=print, yield_s=-1.0)
+
+
+def test_a_yielding_decode_engine_still_steps_beside_a_prefill_worker_that_never_idles(tmp_path):
+    """A prefill worker computes throughout (its claim held by this test): a decode engine with
+    yield_s leaves it the cores between steps, yet steps once yield_s after each step began, so its
+    stream finishes, with the tokens of an engine that never yields."""
+    import asyncio
+
+    from conftest import STORIES_GGUF
+    from pdserve.runtime.async_engine import AsyncEngine
+    from pdserve.runtime.engine import AddRequest
+    from pdserve.runtime.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(STORIES_GGUF)
+    ids = checkpoint.tokenizer.encode("Once upon a time")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = Engine.from_checkpoint(checkpoint).generate([ids], params)[0].output_ids
+    share = CoreShare(tmp_path / "cores")
+    cores = WorkerCores(share, "decode", 0, 1, 1, lambda n: None, yield_s=0.02)
+    yielded, decides = [0], cores.yields
+
+    def counted(batch: int, capacity: int) -> bool:
+        yielded[0] += (answer := decides(batch, capacity))
+        return answer
+    cores.yields = counted
+    stop = threading.Event()
+
+    def prefill_computes() -> None:
+        while not stop.is_set():
+            share.hold("prefill", 0)
+            stop.wait(HOLD_S / 10)
+    holder = threading.Thread(target=prefill_computes)
+    holder.start()
+    aengine = AsyncEngine(Engine.from_checkpoint(checkpoint), batch_window_s=0, cores=cores).start()
+
+    async def tokens() -> list[int]:
+        got = []
+        async for batch in aengine.generate(AddRequest("r0", ids, params)):
+            got += [t for out in batch for t in out.new_token_ids]
+        return got
+    try:
+        got = asyncio.run(asyncio.wait_for(tokens(), 60))
+    finally:
+        aengine.stop()
+        stop.set()
+        holder.join()
+    assert got == want
+    assert yielded[0] > 0
+
+
 def _toggled_cores(engine: Engine, share: CoreShare, kind: str, every: int) -> WorkerCores:
     """`engine`'s side of `share` as a `kind` worker (2 threads wide, 1 narrow), with the other kind's
     claim toggled every `every` layers of its steps."""

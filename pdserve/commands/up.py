@@ -65,6 +65,7 @@ FORWARDED_GATEWAY_SETTINGS = ("allowed_origins", "api_keys", "api_keys_file", "m
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from gateway.config import GatewayConfig
     from pdserve.config_flags import add_flags
+    from pdserve.worker_config import WorkerConfig
     from kvstore.config import KVStoreConfig
     from pdserve.engine_args import add_dtype_args, add_speculative_args
 
@@ -105,6 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode workers' stages when they differ (default: --pipeline-parallel-size)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
+    add_flags(p, WorkerConfig, only=("decode_yield_s",))  # forwarded to the decode workers (`_decode_flags`)
     add_speculative_args(p)  # decode workers' --speculative-ngram, --speculative-max-batch
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
     p.add_argument("--max-batched-tokens", type=int, default=0,
@@ -261,7 +263,8 @@ def _decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """What only decode workers take: the batch size, speculative decoding, and the one-call decode
     step's threads (--step-threads)."""
     return ("--max-batch-size", str(args.max_batch_size), "--speculative-ngram", str(args.speculative_ngram),
-            "--speculative-max-batch", str(args.speculative_max_batch), "--step-threads", str(args.step_threads))
+            "--speculative-max-batch", str(args.speculative_max_batch), "--step-threads", str(args.step_threads),
+            "--decode-yield-ms", f"{args.decode_yield_ms:g}")
 
 
 def wide_threads(args: argparse.Namespace, cores: int | None = None, kind: str = "decode") -> int:

@@ -81,6 +81,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # What a command may raise about its request without the engine being at fault.
 REQUEST_ERRORS = (ValueError, KeyError, QueueFullError)
+# How often a yielding engine looks again (core_share.WorkerCores.yields): a prefill worker's layer is
+# tens of milliseconds, so the pause outlasts the yield by at most a fraction of one.
+YIELD_POLL_S = 0.005
 
 
 class EngineDeadError(RuntimeError):
@@ -318,13 +321,27 @@ class AsyncEngine:
             self._wake.clear()
             self._drain_commands()
             self.engine.pins.expire()
-            if self.engine.has_unfinished() and not self._step():
-                # Nothing was schedulable (blocks held by finished prefills awaiting export):
-                # wait for a command to change that instead of spinning a core.
-                self._wake.wait(timeout=0.05)
+            if self.engine.has_unfinished():
+                if self._yielding():
+                    self._wake.wait(timeout=YIELD_POLL_S)
+                elif not self._step():
+                    # Nothing was schedulable (blocks held by finished prefills awaiting export):
+                    # wait for a command to change that instead of spinning a core.
+                    self._wake.wait(timeout=0.05)
             engine_metrics.refresh_gauges(self.engine)
             self._load = self.engine.load()
         self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _yielding(self) -> bool:
+        """Whether the engine leaves the host's cores to the other kind of worker for now
+        (core_share.WorkerCores.yields), its claim released meanwhile."""
+        if self.cores is None:
+            return False
+        scheduler = self.engine.scheduler
+        if not self.cores.yields(len(scheduler.running) + len(scheduler.waiting), scheduler.config.max_num_seqs):
+            return False
+        self.cores.idle()
+        return True
 
     def _drain_commands(self) -> None:
         while True:

@@ -17,6 +17,10 @@ a step (`between_layers`), so that the other kind's work arriving mid-step waits
 layer for its core (a one-call C decode step, a few milliseconds long, keeps the count it started with). Each
 time is one aligned 8-byte store: a reader sees the old time or the new one.
 
+A decode worker may also yield (`--decode-yield-ms`, `WorkerCores.yields`): while a prefill worker
+computes and its own batch has room, it skips stepping, its claim released, so the prefill worker
+computes wide (it widens between layers too), until the set time after its last step began.
+
 Workers that `pdserve scale` adds copy their kind's first command, so added workers share their
 kind's slot 0: one's release may widen the other kind while another computes, until its next step.
 """
@@ -86,18 +90,23 @@ class WorkerCores:
     stack against 6.2 now.)"""
 
     def __init__(self, share: CoreShare, kind: str, slot: int, wide: int, narrow: int,
-                 set_threads: Callable[[int], None]) -> None:
+                 set_threads: Callable[[int], None], yield_s: float = 0.0) -> None:
         if not 1 <= narrow <= wide:
             raise ValueError(f"{kind} threads need 1 <= narrow ({narrow}) <= wide ({wide})")
+        if not yield_s >= 0:
+            raise ValueError(f"{kind} yield must be >= 0 seconds, got {yield_s}")
         share.release(kind, slot)  # no claim left from an earlier worker of this slot (kind, slot checked)
         self.share, self.kind, self.slot, self.wide, self.narrow = share, kind, slot, wide, narrow
         self.other = KINDS[1 - KINDS.index(kind)]
+        self.yield_s = yield_s
         self._set_threads = set_threads
         self.budget = narrow
         self.threads = narrow  # what the engine thread has claimed (the worker claims `narrow` first)
         self.switches = 0
+        self._stepped_at = float("-inf")  # when the last step began (monotonic)
 
     def before_step(self) -> None:
+        self._stepped_at = time.monotonic()
         self.share.hold(self.kind, self.slot)
         self.budget = self.narrow if self.share.busy(self.other) else self.wide
         self._use(self.budget)
@@ -106,11 +115,19 @@ class WorkerCores:
         # Held again here too: a prefill step of 512 tokens on one thread outlasts HOLD_S (~1.7 s for
         # SmolLM2 fp32), and a claim lapsed mid-step told the decode worker that no prefill worker
         # computed: its two threads then met the prefill's on two cores, and 330 of a 32-stream run's
-        # 500 one-call steps ran in its one-thread fallback for such loaded steps.
+        # 500 one-call steps ran in its one-thread fallback for such loaded steps. Both ways: a step
+        # narrows when the other kind starts and widens when it yields or idles.
         self.share.hold(self.kind, self.slot)
-        if self.budget != self.narrow and self.share.busy(self.other):
-            self.budget = self.narrow
+        self.budget = self.narrow if self.share.busy(self.other) else self.wide
         self._use(self.budget)
+
+    def yields(self, batch: int, capacity: int) -> bool:
+        """Whether this worker should leave the cores to the other kind now instead of stepping: the
+        other kind computes, this worker's batch has room for what it computes (batch < capacity),
+        and this worker's last step began less than `yield_s` ago. The caller releases its claim
+        (`idle`) while it yields, so the other kind computes wide."""
+        return (self.yield_s > 0 and batch < capacity and time.monotonic() - self._stepped_at < self.yield_s
+                and self.share.busy(self.other))
 
     def idle(self) -> None:
         self.share.release(self.kind, self.slot)
