@@ -77,6 +77,8 @@ class WorkerConfig(FromFlags):
     def __post_init__(self) -> None:
         if not self.batch_window_s >= 0:  # also refuses NaN
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_s * 1e3:g}")
+        if not self.decode_yield_s >= 0:  # also refuses NaN
+            raise ValueError(f"--decode-yield-ms must be >= 0 (0: never yield), got {self.decode_yield_s * 1e3:g}")
         if not self.residency_interval_s > 0:
             raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
                              f"got {self.residency_interval_s:g}")

@@ -74,6 +74,7 @@ BAD_VALUES = [
     (lambda: KVStoreConfig(backend_timeout_s=0), "--backend-timeout-ms"),
     (lambda: WorkerConfig(residency_interval_s=0), "--residency-interval-s"),
     (lambda: WorkerConfig(batch_window_s=-1), "--batch-window-ms"),
+    (lambda: WorkerConfig(decode_yield_s=float("nan")), "--decode-yield-ms"),
     (lambda: WorkerConfig(engine_fault_after_steps=-1), "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"),
     (lambda: WorkerConfig(kv_mac_key=b"short"), "PDSERVE_KV_MAC_KEY"),
     (lambda: ProcessConfig(traces="jaeger"), "PDSERVE_TRACES"),
@@ -148,15 +149,17 @@ def test_flags_keep_their_names_and_parse_to_the_fields() -> None:
     kv = build(KVStoreConfig, ["--bind", "0.0.0.0:50070", "--capacity-mb", "2048", "--backend-timeout-ms", "250"], {})
     assert (kv.bind, kv.capacity_bytes, kv.backend_timeout_s) == ("0.0.0.0:50070", 2048 << 20, 0.25)
     worker = build(WorkerConfig, ["--bind", "0.0.0.0:50062", "--kvstore", "kvstore:50070", "--max-batch-size", "32",
-                                  "--batch-window-ms", "5", "--worker-id", "d0", "--no-kv-write-back"], {})
+                                  "--batch-window-ms", "5", "--worker-id", "d0", "--no-kv-write-back",
+                                  "--decode-yield-ms", "250"], {})
     assert (worker.bind, worker.kvstore, worker.worker_id, worker.kv_write_back) == (
         "0.0.0.0:50062", "kvstore:50070", "d0", False)
-    assert worker.batch_window_s == pytest.approx(0.005)
+    assert worker.batch_window_s == pytest.approx(0.005) and worker.decode_yield_s == pytest.approx(0.25)
 
 
 def test_a_prefill_worker_has_no_decode_only_flags() -> None:
     text = parser_of(prefill_command).format_help()
     assert "--kv-write-back" not in text and "--residency-interval-s" not in text and "--log-level" in text
+    assert "--decode-yield-ms" not in text
 
 
 # ---- environment and flags ----------------------------------------------------------------------
