@@ -277,9 +277,10 @@ static void exact_tile_dispatch(const uint8_t* codes, const float* scale, const 
 // ---- The last 1-3 rows: many outputs a tile ----
 //
 // Why: an output's sum is one fma chain a lane (4 dependent fmas a group), so a tile of 2 outputs x
-// 1 row waits on the fma's latency (4 cycles on Zen 3), not its throughput: a one-stream step's
-// projections ran at 8.2 GMAC/s on one Zen 3 core. Up to 8 outputs' chains at once hide it; the
-// chains, and so the bits, are the tiles' (each output's weights dequantized as `exact_weights`).
+// 1 row can wait on the fma's latency (4 cycles on Zen 3) rather than its throughput. Up to 8
+// outputs' chains at once: the Q8 head at one row 1.28 -> 1.15 ms on two Zen 3 cores; the 4-bit
+// projections, bound by their codes' widening, about the same. The chains, and so the bits, are the
+// tiles' (each output's weights dequantized as `exact_weights`).
 #define NARROW_CHAINS 8  // outputs x rows of a narrow tile: its accumulators
 #define NARROW_OUTPUTS 8 // outputs of a block whose last rows take narrow tiles
 
