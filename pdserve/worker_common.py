@@ -233,7 +233,7 @@ def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, thr
     parallel = not hasattr(model, "one_call_decode_step")  # a parallel driver: its ranks keep to --threads
     wide = threads if parallel else max(config.wide_threads, threads)
     cores = WorkerCores(share, kind, config.core_share_slot, wide, threads, compute_threads.thread_setter(),
-                        yield_s=config.decode_yield_s if kind == "decode" else 0.0)
+                        yield_s=config.decode_yield_s)  # 0 for a prefill worker: a decode-only setting
     if parallel:  # it still holds its claim while it computes: the other kind narrows meanwhile
         return cores
     model.between_layers = cores.between_layers
