@@ -175,12 +175,11 @@ def int4_codes(codes: BlockCodes) -> Int4Codes:
 def read_packed(path: Path, names: dict[str, str]) -> tuple[dict[str, BlockCodes], dict[str, str]]:
     """({HF name: codes} of the tensors of `names` ({GGUF name: HF name}) in PACKED_TYPES,
     {HF name: GGML type name} of every tensor of `names`). Rows as the file stores them."""
-    from gguf import GGUFReader
-
+    from pdserve.runtime import gguf_tensors
     from pdserve.runtime.loader import ModelLoadError
 
     packed, types = {}, {}
-    for t in GGUFReader(path).tensors:
+    for t in gguf_tensors.tensors(path):
         hf = names.get(t.name)
         if hf is None:
             continue

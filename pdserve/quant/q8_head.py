@@ -135,9 +135,9 @@ class Q8Head:
 
 def gguf_tensor_type(path: Path, name: str) -> str | None:
     """The GGML type name of tensor `name` in the GGUF file at `path` (None: no such tensor)."""
-    from gguf import GGUFReader
+    from pdserve.runtime import gguf_tensors
 
-    return next((t.tensor_type.name for t in GGUFReader(path).tensors if t.name == name), None)
+    return next((t.tensor_type.name for t in gguf_tensors.places(path) if t.name == name), None)
 
 
 def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str) -> dict[str, object]:

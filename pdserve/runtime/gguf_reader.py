@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pdserve.quant.gguf_packed import PackedFormatError, check_blocks
+from pdserve.runtime import gguf_tensors
 from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_gguf
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
@@ -49,6 +50,7 @@ def read_gguf_meta(path: Path) -> tuple[ModelConfig, GGUFTokenizer, list[Path]]:
 
 def _read_header(path: Path) -> tuple[GGUFReader, ModelConfig, GGUFTokenizer]:
     reader = _open(path)
+    gguf_tensors.remember(path, reader)  # the engine's packed weights read the tensors again
     meta = _Metadata(path, reader)
     arch = meta.get("general.architecture")
     if spec_for_gguf(arch) is None:
