@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gateway.deployments import Catalog, Deployment
     from gateway.experiments.serve_config import ServeConfig
     from gateway.flow import ModelInfo, RequestFlow
-    from gateway.http import HttpServer
+    from gateway.http.app import HttpServer
     from gateway.limits import InflightLimit
     from gateway.workers import WorkerPool
     from kvstore.client import KVStoreClient
@@ -192,7 +192,7 @@ async def serve_catalog(bind: str, catalog: Catalog, *, http_bind: str | None = 
         servicer = GatewayServicer(catalog, settings=settings)
         limits = settings.limits
         if http_bind is not None:
-            from gateway.http import create_app, start_http
+            from gateway.http.app import create_app, start_http
             app = create_app(catalog, slo=servicer.slo, limits=limits, deadlines=settings.deadlines, keys=keys,
                              cors_config=settings.cors)
             http = await start_http(app, http_bind, header_timeout_s=limits.http_header_timeout_s,

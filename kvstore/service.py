@@ -21,7 +21,7 @@ from kvstore.residency import ResidencyIndex
 from kvstore.store import MemoryBlockStore, PutOutcome, StoreFullError
 from kvstore.tiered import TieredStore
 from pdserve.grpc_server import abort_on
-from pdserve.kvwire import HEADER_SIZE, KVBlockError, read_header
+from pdserve.kv_header import HEADER_SIZE, KVBlockError, read_header
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)

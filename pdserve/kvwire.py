@@ -24,21 +24,16 @@ head h starts with that head's fp32 scale (little-endian); value = code * scale.
 
 from __future__ import annotations
 
-import struct
 import zlib
-from dataclasses import dataclass
 
 import torch
 
 from pdserve import kv_mac
+from pdserve.kv_header import (HEADER_SIZE, MAC_OFFSET, BlockHeader, KVBlockError,  # noqa: F401
+                               KVChecksumError, KVFormatMismatch, KVMacError, fingerprint_bytes, pack_header,
+                               read_header)
 from pdserve.runtime.kv_cache import format_name
 from pdserve.runtime.kv_format import KVFormat
-
-MAGIC = b"PDKV"
-VERSION = 2
-_HEADER = struct.Struct(f"<4sHBHHHHH16sII{kv_mac.MAC_SIZE}s")
-HEADER_SIZE = _HEADER.size
-_MAC_OFFSET = HEADER_SIZE - kv_mac.MAC_SIZE  # the mac covers the header up to here
 
 _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -48,58 +43,6 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float8_e4m3fn: 5,
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-
-
-class KVBlockError(ValueError):
-    """Encoded block data does not match what the reader expects, or is corrupt."""
-
-    reason = "invalid"  # the `reason` label of pdserve_kv_blocks_rejected_total
-
-
-class KVFormatMismatch(KVBlockError):
-    """A well-formed block in another KV format (--kv-dtype) than the reader's."""
-
-    reason = "format"
-
-
-class KVChecksumError(KVBlockError):
-    """The payload does not match the header's crc32: corrupted on the way or at rest."""
-
-    reason = "checksum"
-
-
-class KVMacError(KVBlockError):
-    """The block's MAC does not verify under the reader's key and the hash it asked for: forged,
-    altered, re-labelled under another hash, or written without (or with another) key."""
-
-    reason = "mac"
-
-
-@dataclass(frozen=True, slots=True)
-class BlockHeader:
-    """The decoded header of one block."""
-
-    version: int
-    dtype_code: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    num_tokens: int
-    fingerprint: bytes
-    payload_len: int
-    crc32: int
-    mac: bytes
-
-
-def _fingerprint_bytes(fingerprint: str) -> bytes:
-    try:
-        raw = bytes.fromhex(fingerprint)
-    except ValueError:
-        raise KVBlockError(f"model fingerprint {fingerprint!r} is not hex") from None
-    if len(raw) != 16:
-        raise KVBlockError(f"model fingerprint {fingerprint!r} is not 32 hex chars")
-    return raw
 
 
 def encode_block(block: torch.Tensor, spec: KVFormat, num_tokens: int, block_hash: bytes = b"",
@@ -118,32 +61,15 @@ def encode_block(block: torch.Tensor, spec: KVFormat, num_tokens: int, block_has
         raise KVBlockError(f"num_tokens {num_tokens} outside 0..{spec.block_size}")
     # view(uint8) reinterprets the bytes, so bfloat16 (which numpy lacks) works too.
     payload = block.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    header = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[spec.dtype], spec.num_layers,
-                          spec.num_kv_heads, spec.head_dim, spec.block_size, num_tokens,
-                          _fingerprint_bytes(spec.fingerprint), len(payload), zlib.crc32(payload),
-                          kv_mac.NO_MAC)[:_MAC_OFFSET]
+    header = pack_header(_DTYPE_CODES[spec.dtype], spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size,
+                         num_tokens, spec.fingerprint, payload)
     mac = kv_mac.sign(mac_key, block_hash, header, payload) if mac_key else kv_mac.NO_MAC
     return header + mac + payload
 
 
-def read_header(data: bytes | bytearray | memoryview) -> BlockHeader:
-    """Parse and sanity-check the header only (magic, version); no spec needed.
-
-    The KV store uses this to refuse garbage without decoding the payload.
-    """
-    if len(data) < HEADER_SIZE:
-        raise KVBlockError(f"block data is {len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
-    magic, version, *fields = _HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise KVBlockError(f"bad magic {magic!r} != {MAGIC!r}")
-    if version != VERSION:
-        raise KVBlockError(f"wire version {version} != {VERSION}")
-    return BlockHeader(version, *fields)
-
-
 def _check_header(header: BlockHeader, spec: KVFormat) -> None:
     """Raise KVBlockError naming the first header field that differs from `spec`."""
-    expected_fp = _fingerprint_bytes(spec.fingerprint)
+    expected_fp = fingerprint_bytes(spec.fingerprint)
     if header.fingerprint != expected_fp:
         raise KVBlockError(f"model fingerprint {header.fingerprint.hex()} != {expected_fp.hex()}")
     dtype = _CODE_DTYPES.get(header.dtype_code)
@@ -180,7 +106,7 @@ def decode_block(data: bytes | bytearray | memoryview, spec: KVFormat, block_has
     if zlib.crc32(payload) != header.crc32:
         raise KVChecksumError("checksum mismatch: payload corrupted")
     if mac_key:
-        _check_mac(memoryview(data)[:_MAC_OFFSET], payload, header.mac, block_hash, mac_key)
+        _check_mac(memoryview(data)[:MAC_OFFSET], payload, header.mac, block_hash, mac_key)
     if payload.readonly:
         payload = memoryview(bytearray(payload))
     flat = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)

@@ -16,7 +16,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fuzz_support import FUZZ, assert_still_healthy, expected, stack_fixture  # noqa: F401 (fixture)
-from pdserve.kvwire import _HEADER, HEADER_SIZE, KVBlockError, decode_block, encode_block
+from pdserve.kv_header import _HEADER, HEADER_SIZE, KVBlockError
+from pdserve.kvwire import decode_block, encode_block
 from pdserve.runtime.kv_format import KVFormat
 from pdserve.v1 import kvstore_pb2
 

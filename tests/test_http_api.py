@@ -446,7 +446,7 @@ class _FakeFlow:
 async def _fake_gateway(flow: _FakeFlow, body: dict) -> tuple[int, bytes]:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from gateway.http import create_app
+    from gateway.http.app import create_app
 
     async with TestClient(TestServer(create_app(flow, MODEL))) as client:
         resp = await client.post("/v1/chat/completions", json=body)

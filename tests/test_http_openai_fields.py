@@ -449,7 +449,7 @@ def test_a_prompt_is_tokenized_once(stack):
     from aiohttp.test_utils import TestClient, TestServer
 
     from gateway.deployments import Catalog
-    from gateway.http import create_app
+    from gateway.http.app import create_app
     from gateway.limits import InflightLimit
     from gateway.server import start_deployment
 

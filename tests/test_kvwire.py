@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 
-from pdserve.kvwire import (HEADER_SIZE, MAGIC, KVBlockError, KVMacError, decode_block, encode_block, read_header)
+from pdserve.kv_header import HEADER_SIZE, MAGIC, KVBlockError, KVMacError, read_header
+from pdserve.kvwire import decode_block, encode_block
 from pdserve.runtime.kv_format import KVFormat
 
 FP = "0123456789abcdef0123456789abcdef"

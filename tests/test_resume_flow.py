@@ -207,7 +207,7 @@ def test_an_http_request_has_a_deadline(model: ModelInfo) -> None:
     decode worker falls silent with the stall timeout off: --http-timeout-s ends the request."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from gateway.http import create_app
+    from gateway.http.app import create_app
 
     body = {"model": "stories", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+from pathlib import Path
 
 import grpc
 import pytest
@@ -204,3 +205,14 @@ def test_deadline_exceeded_is_honoured(stack):
             # 1800 tokens (near the 2048-token window): far longer than 0.3 s even on a 4x faster machine.
             prompt=PROMPTS[0], sampling=greedy(1800, ignore_eos=True)), timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_the_kvstore_runs_without_torch(stack):
+    """The KV store checks block headers and never decodes a payload (pdserve.kv_header): its process
+    maps no torch library (~1.4 s of its start and ~200 MB); a worker's does, so the check sees it."""
+
+    def maps(name: str) -> str:
+        return Path(f"/proc/{stack.child(name).proc.pid}/maps").read_text()
+
+    assert "libtorch" in maps("prefill-0")
+    assert "libtorch" not in maps("kvstore")

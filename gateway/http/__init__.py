@@ -11,8 +11,8 @@ response JSON), `sse` (event framing),
 `errors` (OpenAI error JSON, one status mapping), `tools` (tool calling), `utility` (tokenize,
 detokenize, version), `cors` (--allowed-origins), `static/index.html` (the page).
 See docs/http-api.md and docs/http-surface.md.
+
+Nothing is imported here: `cors` serves the command line's flags (every `pdserve` command builds
+them), which must not import the app and what it needs (torch among it) in a process that does not
+serve HTTP, the KV store's.
 """
-
-from gateway.http.app import HttpServer, create_app, start_http
-
-__all__ = ["HttpServer", "create_app", "start_http"]

@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from pdserve.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.runtime.grammar import GrammarMatcher
     from pdserve.runtime.speculative import NgramIndex
 
@@ -68,6 +68,8 @@ class Sequence:
         draw in one process; a resumed stream counts the tokens it generated before."""
         if self.params.seed is None:
             return None
+        import torch  # here, not at the top: the gateway imports this module's dataclasses without torch
+
         position = self.resumed_tokens + len(self.output_ids)
         return torch.Generator().manual_seed((self.params.seed * 1_000_003 + position) % (1 << 63))
 
