@@ -12,7 +12,7 @@
                   strings, messages, prompt tokens; SamplingParams validated its own fields
                   already)                                                      INVALID_ARGUMENT
      3. admit: the gateway's bounded in-flight count (limits.InflightLimit)      RESOURCE_EXHAUSTED
-     4. hash the prompt's full blocks (KVFormat.full_block_hashes)              -> hashes
+     4. hash the prompt's full blocks (BlockNames.full_block_hashes)            -> hashes
      5. ask the kvstore how many leading blocks it holds and which decode worker holds how many
         in its paged cache (best effort)                         -> cached_blocks hint, residency
      6. pick a decode worker by KV-aware cost (router.pick_decode: load, free KV, resident prefix,
@@ -78,7 +78,7 @@ from gateway.worker_calls import DecodedTokens, PrefillResult
 from gateway.workers import WorkerEndpoint, WorkerPool
 from kvstore.client import KVStoreClient
 from pdserve.grpc_server import ServiceError
-from pdserve.runtime.kv_format import KVFormat
+from pdserve.runtime.block_names import BlockNames
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.tokenizer import Tokenizer
 
@@ -94,7 +94,7 @@ class ModelInfo:
 
     tokenizer: Tokenizer
     context_window: int  # max_position_embeddings: prompt + generated tokens must fit
-    kv_format: KVFormat  # the workers' blocks (fingerprint, --block-size, --kv-dtype): how to name them
+    block_names: BlockNames  # the workers' blocks (fingerprint, --block-size, --kv-dtype): how to name them
 
 
 @dataclass(eq=False)
@@ -195,11 +195,11 @@ class RequestFlow:
                         time_remaining: TimeRemaining) -> AsyncIterator[OutputChunk]:
         rid, sampling = request.request_id, request.sampling
         m = self.model
-        hashes = m.kv_format.full_block_hashes(prompt_ids)
+        hashes = m.block_names.full_block_hashes(prompt_ids)
         cached_blocks, resident = await self._lookup(hashes)
         affinity = request.affinity
         session_home = self._session_arrival(request.session_key) or (affinity.address if affinity else "")
-        blocks_needed = m.kv_format.blocks_for(len(prompt_ids) + sampling.max_tokens)
+        blocks_needed = m.block_names.blocks_for(len(prompt_ids) + sampling.max_tokens)
         # Before prefill: no point computing KV nobody can decode.
         hinted = self.decode_pool.pick_decode(blocks_needed, resident, session_home)
         if affinity is not None and not affinity.address:
@@ -260,7 +260,7 @@ class RequestFlow:
         healthy = [ep for ep in self.prefill_pool.endpoints if ep.routable]
         return self.placement.place(PlacementInputs(
             prompt_tokens=prompt_tokens,
-            cached_tokens=min(cached_blocks * self.model.kv_format.block_size, prompt_tokens),
+            cached_tokens=min(cached_blocks * self.model.block_names.block_size, prompt_tokens),
             prefill_inflight=sum(ep.inflight for ep in healthy), prefill_healthy=len(healthy),
             decode_running=decode_ep.running, decode_inflight=decode_ep.inflight))
 
@@ -292,7 +292,7 @@ class RequestFlow:
         if not session_id or self.sessions is None:
             return
         tokens = prompt_ids + generated[:-1]  # the last token has no KV on the worker
-        self.sessions.finished(session_id, worker, self.model.kv_format.full_block_hashes(tokens), prefill_worker)
+        self.sessions.finished(session_id, worker, self.model.block_names.full_block_hashes(tokens), prefill_worker)
 
     async def _prefetch_sessions_forever(self) -> None:
         while True:

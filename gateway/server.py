@@ -256,14 +256,12 @@ def load_model_info(model_path: str | None, block_size: int, kv_dtype: str, dtyp
     """The gateway's view of the model: tokenizer, context window, fingerprint (with the workers'
     compute dtype in it, as theirs)."""
     from gateway.flow import ModelInfo
-    from pdserve.runtime.kv_format import KVFormat
+    from pdserve.runtime.block_names import BlockNames
     from pdserve.runtime.loader import compute_fingerprint, inspect_checkpoint, resolve_model_path
 
     info = inspect_checkpoint(resolve_model_path(model_path))  # the gateway never reads weights
-    c = info.config
-    kv_format = KVFormat.named(compute_fingerprint(info.fingerprint, dtype), kv_dtype, c.num_layers,
-                               c.num_kv_heads, c.head_dim, block_size)
-    return ModelInfo(info.tokenizer, c.max_position_embeddings, kv_format)
+    names = BlockNames(compute_fingerprint(info.fingerprint, dtype), kv_dtype, block_size)
+    return ModelInfo(info.tokenizer, info.config.max_position_embeddings, names)
 
 
 async def _start_pool(kind: str, targets: Sequence[str] | str, settings: GatewayConfig) -> WorkerPool:

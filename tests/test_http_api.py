@@ -429,7 +429,7 @@ class _FakeFlow:
 
         self.chunks, self.error = chunks, error
         self.model = SimpleNamespace(context_window=64, tokenizer=SimpleNamespace(vocab_size=512),
-                                     kv_format=SimpleNamespace(fingerprint="0" * 32))
+                                     block_names=SimpleNamespace(fingerprint="0" * 32))
         self.limits = RequestLimits()
         self.prefill_pool = self.decode_pool = SimpleNamespace(endpoints=[], describe=lambda: "none")
 

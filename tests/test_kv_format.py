@@ -42,3 +42,20 @@ def test_layout():
     assert FMT.blocks_for(33) == 3
     with pytest.raises(ValueError, match="unsupported KV dtype"):
         KVFormat("ab" * 16, torch.float64, 2, 2, 8, 16)
+
+
+def test_the_gateways_names_are_the_workers_and_cover_every_kv_dtype():
+    """runtime.block_names (the gateway's, without torch) lists the --kv-dtype names of kv_cache's
+    storage dtypes, in their order (`kv_dtype_of` tries them so), and KVFormat names through it."""
+    from pdserve.runtime.block_names import BlockNames
+    from pdserve.runtime.config import KV_DTYPE_NAMES
+    from pdserve.runtime.kv_cache import KV_DTYPES
+
+    assert tuple(KV_DTYPES) == KV_DTYPE_NAMES
+    spec = KVFormat.named("ab" * 16, "int8", 2, 2, 8, 16)
+    names = BlockNames("ab" * 16, "int8", 16)
+    prompt = list(range(40))
+    assert spec.names == names and spec.prompt_hashes(prompt) == names.prompt_hashes(prompt)
+    assert names.kv_dtype_of(prompt, BlockNames("ab" * 16, "bfloat16", 16).prompt_hashes(prompt)) == "bfloat16"
+    with pytest.raises(ValueError, match="unsupported KV dtype 'float64'"):
+        BlockNames("ab" * 16, "float64", 16)

@@ -207,12 +207,18 @@ def test_deadline_exceeded_is_honoured(stack):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_the_kvstore_runs_without_torch(stack):
-    """The KV store checks block headers and never decodes a payload (pdserve.kv_header): its process
-    maps no torch library (~1.4 s of its start and ~200 MB); a worker's does, so the check sees it."""
+def test_the_gateway_and_the_kvstore_run_without_torch(stack):
+    """Neither holds a tensor: the gateway names blocks (runtime.block_names) and reads the model's
+    header, the KV store checks block headers (pdserve.kv_header). Their processes map no torch
+    library (~1.4 s of each start and ~200 MB) after serving a request, seeded sampling included; a
+    worker's does, so the check sees it."""
+    ids, _, _ = collect(stack.gateway_stub().Generate(gateway_pb2.GenerateRequest(
+        prompt=PROMPTS[0], sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))))
+    assert len(ids) == 8
 
     def maps(name: str) -> str:
         return Path(f"/proc/{stack.child(name).proc.pid}/maps").read_text()
 
     assert "libtorch" in maps("prefill-0")
     assert "libtorch" not in maps("kvstore")
+    assert "libtorch" not in maps("gateway")

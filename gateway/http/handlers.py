@@ -155,7 +155,7 @@ class ApiHandlers:
 
     @staticmethod
     def _fingerprint(route: Route) -> str:
-        return system_fingerprint(route.deployment.name, route.deployment.model.kv_format.fingerprint)
+        return system_fingerprint(route.deployment.name, route.deployment.model.block_names.fingerprint)
 
     def _timed_out(self, exc: Exception) -> ApiError | None:
         """A 504 naming the HTTP timeout when the flow ran out of this request's time."""

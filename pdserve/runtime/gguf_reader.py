@@ -12,20 +12,21 @@ names the file and the problem.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from pdserve.quant.gguf_packed import PackedFormatError, check_blocks
 from pdserve.runtime import gguf_tensors
 from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_gguf
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
 from pdserve.runtime.gguf_vocab import VocabError, build_tokenizer
 from pdserve.runtime.tokenizer import GGUFTokenizer
+
+if TYPE_CHECKING:  # the weights' functions import it: reading a header (the gateway's) needs no torch
+    import torch
 
 UNSET_ID = 0xFFFFFFFF  # llama.cpp writes this for "no such token"
 _T = GGMLQuantizationType
@@ -178,6 +179,8 @@ def read_weights(path: Path, reader: GGUFReader, config: ModelConfig,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors the spec names, under their HF names, Q/K rows back in HF order; a tied head
     is made the embedding by `loader.tie_head`."""
+    from pdserve.quant.gguf_packed import PackedFormatError, check_blocks
+
     spec = config.arch
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -205,6 +208,8 @@ def _to_torch(t: Any) -> torch.Tensor:
     GGUF lists dims fastest-first, so the shape is reversed; quantized blocks are dequantized by
     `gguf.quants.dequantize`, which takes the rows of packed bytes the reader hands out.
     """
+    import torch
+
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     data = np.asarray(t.data)
     if t.tensor_type == GGMLQuantizationType.BF16:

@@ -3,12 +3,11 @@
 A block's identity is its content hash: hash(parent block's hash, the block's tokens, model
 fingerprint, KV storage format), so equal hashes mean equal KV (pdserve.runtime.block_hash). Its
 layout is `[num_layers, 2, rows, num_kv_heads, head_dim]` (rows = block_size, one more for the
-scale row of int8 / fp8). The gateway hashes prompts with it to look prefixes up, the workers and
-`BlockManager` hash what they compute, `kvwire` checks a block's header against it.
+scale row of int8 / fp8). The workers and `BlockManager` hash what they compute with it (the gateway
+hashes prompts with its `names`), `kvwire` checks a block's header against it.
 
-The rule "the block holding the last token is always computed" lives here too
-(`reusable_blocks`): that token's logits pick the next token, so its KV is never taken from a
-cache, whoever computed it.
+Naming and counting (and the rule "the block holding the last token is always computed") are
+`runtime.block_names`', which the gateway uses without torch; KVFormat names its blocks through it.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.runtime.block_hash import block_hash, prompt_block_hashes
+from pdserve.runtime.block_names import BlockNames
 from pdserve.runtime.kv_cache import KV_DTYPES, cache_rows, dtype_of, format_name
 
 
@@ -67,39 +66,28 @@ class KVFormat:
     def with_kv_dtype(self, name: str) -> "KVFormat":
         return dataclasses.replace(self, dtype=dtype_of(name))
 
-    # ---- counting -------------------------------------------------------------------------
+    # ---- naming and counting: the torch-free part the gateway shares (runtime.block_names) -------
+    @property
+    def names(self) -> BlockNames:
+        return BlockNames(self.fingerprint, self.kv_dtype, self.block_size)
+
     def blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
+        return self.names.blocks_for(num_tokens)
 
     def reusable_blocks(self, num_tokens: int) -> int:
-        """Leading full blocks of a sequence of `num_tokens` whose KV may come from a cache: all
-        but the block of the last token, whose logits pick the next token."""
-        return max(num_tokens - 1, 0) // self.block_size
+        return self.names.reusable_blocks(num_tokens)
 
-    # ---- naming ---------------------------------------------------------------------------
     def block_hash(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-        return block_hash(parent, token_ids, self.fingerprint, self.kv_dtype)
+        return self.names.block_hash(parent, token_ids)
 
     def full_block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of every full block of `token_ids`, in order."""
-        return prompt_block_hashes(token_ids, self.block_size, self.fingerprint, self.kv_dtype)
+        return self.names.full_block_hashes(token_ids)
 
     def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of every block of `token_ids`, the partial tail (named by its own tokens) last."""
-        return prompt_block_hashes(token_ids, self.block_size, self.fingerprint, self.kv_dtype,
-                                   include_partial=True)
+        return self.names.prompt_hashes(token_ids)
 
     def reusable_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of the leading full blocks a cache may supply (`reusable_blocks`)."""
-        return self.full_block_hashes(token_ids)[:self.reusable_blocks(len(token_ids))]
+        return self.names.reusable_hashes(token_ids)
 
     def kv_dtype_of(self, token_ids: Sequence[int], hashes: Sequence[bytes]) -> str | None:
-        """The --kv-dtype under which `hashes` are the prompt's block hashes (this format's own
-        first), or None when they are not (another model or block size)."""
-        hashes = list(hashes)
-        for name in (self.kv_dtype, *(n for n in KV_DTYPES if n != self.kv_dtype)):
-            if prompt_block_hashes(token_ids, self.block_size, self.fingerprint, name,
-                                   include_partial=True) == hashes:
-                return name
-        return None
+        return self.names.kv_dtype_of(token_ids, hashes)

