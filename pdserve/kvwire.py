@@ -29,6 +29,7 @@ import zlib
 import torch
 
 from pdserve import kv_mac
+# The header's names (pdserve.kv_header, which the KV store imports without torch), re-exported here.
 from pdserve.kv_header import (HEADER_SIZE, MAC_OFFSET, BlockHeader, KVBlockError,  # noqa: F401
                                KVChecksumError, KVFormatMismatch, KVMacError, fingerprint_bytes, pack_header,
                                read_header)

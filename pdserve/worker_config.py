@@ -28,6 +28,13 @@ ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
 DECODE_ONLY = ("kv_write_back", "residency_interval_s", "decode_yield_s")  # settings a prefill worker has no use for
 
 
+def check_decode_yield_ms(ms: float) -> None:
+    """--decode-yield-ms must be >= 0 (NaN too is refused): a decode worker's check, and `pdserve up`'s
+    before it starts any."""
+    if not ms >= 0:
+        raise ValueError(f"--decode-yield-ms must be >= 0 (0: never yield), got {ms:g}")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig(FromFlags):
     """A prefill or decode worker's settings; each field's text is its --help."""
@@ -77,8 +84,7 @@ class WorkerConfig(FromFlags):
     def __post_init__(self) -> None:
         if not self.batch_window_s >= 0:  # also refuses NaN
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_s * 1e3:g}")
-        if not self.decode_yield_s >= 0:  # also refuses NaN
-            raise ValueError(f"--decode-yield-ms must be >= 0 (0: never yield), got {self.decode_yield_s * 1e3:g}")
+        check_decode_yield_ms(self.decode_yield_s * 1e3)
         if not self.residency_interval_s > 0:
             raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
                              f"got {self.residency_interval_s:g}")

@@ -1,6 +1,6 @@
 """A GGUF file's tensor table read once per file (pdserve.runtime.gguf_tensors): the tensors it hands
 out against gguf's own reader, a file changed in place read again, and an engine's whole load
-parsing its file once (it parsed it three times: ~8 s of a SmolLM2 worker's start)."""
+parsing its file once (it parsed it three times: building a SmolLM2 engine took 6.5 s, now 0.6)."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ NOT_STACK = {
     "test_kvstore_tiers.py::test_unreachable_redis_at_start_still_serves": "a RedisServer never started",
     "test_loader.py::test_wrong_model_path_is_one_line_from_the_cli": "`pdserve up` refuses before a child",
     "test_up.py::test_a_bad_config_is_refused_before_anything_starts": "`pdserve up` refuses its config",
+    "test_up.py::test_a_negative_decode_yield_is_refused_before_anything_starts": "`pdserve up` refuses the flag",
 }
 
 

@@ -178,6 +178,16 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path: Path, capsys: 
     assert "--prefill and --decode are required (or --config FILE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-5", "nan"])
+def test_a_negative_decode_yield_is_refused_before_anything_starts(value: str, capsys: pytest.CaptureFixture) -> None:
+    """`up` forwards --decode-yield-ms to its decode workers, which refuse it below 0: `up` refuses it
+    first, in one line, with nothing started (before, each decode worker failed its start)."""
+    args = build_parser().parse_args(["up", "--decode-yield-ms", value, "--grpc-port", str(_free_port())])
+    assert args._run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"pdserve up: --decode-yield-ms must be >= 0 (0: never yield), got {float(value):g}"
+
+
 def test_port_in_use() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -435,8 +435,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
             return f"--model {resolve_model_path(args.model)}: no such file or directory"
     except ModelLoadError as err:
         return str(err)
+    from pdserve.worker_config import check_decode_yield_ms
+
     try:
         _check_gateway_settings(args)
+        check_decode_yield_ms(args.decode_yield_ms)  # forwarded to the decode workers, which would refuse it
     except ValueError as err:
         return str(err)
     if not 0 < args.grpc_port < 65536:

@@ -3,11 +3,12 @@
 Why: gguf's `GGUFReader` turns every metadata value into numpy views before it lists a single
 tensor (SmolLM2's vocabulary, token types and merges: ~200k values, 2.7 s on a 2-core Zen 3 EPYC),
 and an engine's load asked a file for its tensors three times (the weights, the projections' packed
-codes, the head's type): ~8 s of a worker's start. The table keeps each tensor's place, not the
-file: `tensors` maps the file again for its caller (a mapping costs nothing until read), so no page
-of the file stays mapped once the caller drops the arrays. A table is taken only while the file's
-size and its header's bytes (metadata and tensor infos, everything the table comes from: ~1 MB for
-SmolLM2, hashed in about a millisecond) are those it was read from; else the file is parsed again.
+codes, the head's type): building a SmolLM2 engine from its loaded checkpoint took 6.5 s there, 0.6
+s now. The table keeps each tensor's place, not the file: `tensors` maps the file again for its
+caller (a mapping costs nothing until read), so no page of the file stays mapped once the caller
+drops the arrays. A table is taken only while the file's size and its header's bytes (metadata and
+tensor infos, everything the table comes from: 1.8 MB for SmolLM2, hashed in about 3 ms) are those
+it was read from; else the file is parsed again.
 """
 
 from __future__ import annotations
