@@ -4,9 +4,10 @@ Architectures: the specs of `runtime.arch` with a GGUF name, ``llama`` (Llama 1/
 scaling, Mistral, SmolLM: llama.cpp writes them all as "llama") and ``qwen2`` (q/k/v biases); the
 spec maps GGUF tensor names onto HF ones and says whose Q/K rows llama.cpp permuted. Tensor types:
 `SUPPORTED_TYPES`, dequantized by the `gguf` package into the requested dtype (the engine may keep
-the projections' codes packed instead: pdserve.quant.gguf_packed re-reads them). Anything else, and
-a block type's data that is not whole blocks, is refused with a one-line `ModelLoadError` that
-names the file and the problem.
+the projections' codes packed instead: pdserve.quant.gguf_packed re-reads them, through the tensor
+table this parse keeps, `runtime.gguf_tensors`). Anything else, and a block type's data that is not
+whole blocks, is refused with a one-line `ModelLoadError` that names the file and the problem.
+Reading a file's header (config, tokenizer: `read_gguf_meta`, the gateway's) imports no torch.
 """
 
 from __future__ import annotations
