@@ -7,7 +7,6 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-import torch
 
 from conftest import STORIES_GGUF
 from pdserve.runtime import gguf_tensors
