@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,12 +32,14 @@ class KVFormat:
     num_kv_heads: int
     head_dim: int
     block_size: int  # token slots per block
+    # How its blocks are named and counted (the torch-free part the gateway shares): built once here,
+    # not on each hash (the workers hash a block each 16 tokens of every sequence).
+    names: BlockNames = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in KV_DTYPES.values():
             raise ValueError(f"unsupported KV dtype {self.dtype} (supported: {', '.join(KV_DTYPES)})")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        object.__setattr__(self, "names", BlockNames(self.fingerprint, format_name(self.dtype), self.block_size))
 
     @classmethod
     def named(cls, fingerprint: str, kv_dtype: str, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -49,7 +51,7 @@ class KVFormat:
     @property
     def kv_dtype(self) -> str:
         """The --kv-dtype name, part of every block hash."""
-        return format_name(self.dtype)
+        return self.names.kv_dtype
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -66,11 +68,7 @@ class KVFormat:
     def with_kv_dtype(self, name: str) -> "KVFormat":
         return dataclasses.replace(self, dtype=dtype_of(name))
 
-    # ---- naming and counting: the torch-free part the gateway shares (runtime.block_names) -------
-    @property
-    def names(self) -> BlockNames:
-        return BlockNames(self.fingerprint, self.kv_dtype, self.block_size)
-
+    # ---- naming and counting: `names` (runtime.block_names) -----------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return self.names.blocks_for(num_tokens)
 
