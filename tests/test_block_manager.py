@@ -37,6 +37,18 @@ def test_allocation_takes_free_blocks_in_order(bm):
     bm.check_leaks([a])
 
 
+def test_a_freed_unhashed_block_is_the_next_one_taken(bm):
+    """Its pages are resident already (the CPU cache is mapped lazily: kv_cache.zero_pages), where
+    a never-used block would cost fresh memory."""
+    a = seq("a", list(range(10)))  # blocks 0, 1, 2; none hashed (not computed)
+    bm.allocate(a)
+    bm.free(a)
+    b = seq("b", list(range(100, 105)))  # 2 blocks
+    bm.allocate(b)
+    assert b.block_table == [0, 1]
+    bm.check_leaks([b])
+
+
 def test_prefix_sharing_exact_ids(bm):
     a = seq("a", list(range(10)))
     bm.allocate(a)

@@ -211,8 +211,8 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.hash is not None:
                     self._cached[bid] = None
-                else:
-                    self._free.append(bid)
+                else:  # next to be taken: its pages are resident already (kv_cache.zero_pages)
+                    self._free.appendleft(bid)
 
     def _ref(self, bid: int) -> None:
         self._cached.pop(bid, None)
