@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import STORIES_GGUF
-from pdserve.runtime import gguf_tensors
+from pdserve.runtime import gguf_header, gguf_tensors
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kernels import cpu_int4_matmul
@@ -54,18 +54,23 @@ def test_a_file_changed_in_place_is_read_again(tmp_path):
 @pytest.mark.skipif(not cpu_int4_matmul.available(), reason="no C compiler: the W4A32 kernel cannot be built")
 def test_an_engine_load_parses_its_file_once(tmp_path, monkeypatch):
     """load_checkpoint, then an int4-exact engine (the file's Q4_1 codes read again, the head's type
-    asked): one GGUFReader in all."""
+    asked): one header parse in all, and none by gguf's slow reader (runtime.gguf_header)."""
     path = tmp_path / "q4.gguf"
     write_tiny(path, {r: Q.Q4_1 for r in MIXED})
-    parses = []
-    init = gguf.GGUFReader.__init__
+    parses, slow = [], []
+    read, init = gguf_header.read_header, gguf.GGUFReader.__init__
 
-    def counted(self, *args, **kwargs):
-        parses.append(args[0])
+    def counted(p):
+        parses.append(p)
+        return read(p)
+
+    def counted_slow(self, *args, **kwargs):
+        slow.append(args[0])
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    monkeypatch.setattr(gguf_header, "read_header", counted)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted_slow)
     checkpoint = load_checkpoint(path)
     engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=16), dtype="float32"))
     assert engine.weight_format == "int4-exact"
-    assert len(parses) == 1, parses
+    assert len(parses) == 1 and not slow, (parses, slow)

@@ -5,7 +5,8 @@ scaling, Mistral, SmolLM: llama.cpp writes them all as "llama") and ``qwen2`` (q
 spec maps GGUF tensor names onto HF ones and says whose Q/K rows llama.cpp permuted. Tensor types:
 `SUPPORTED_TYPES`, dequantized by the `gguf` package into the requested dtype (the engine may keep
 the projections' codes packed instead: pdserve.quant.gguf_packed re-reads them, through the tensor
-table this parse keeps, `runtime.gguf_tensors`). Anything else, and a block type's data that is not
+table this parse keeps, `runtime.gguf_tensors`). The header is read by `runtime.gguf_header` (gguf's
+reader took 3 s a parse for SmolLM2's vocabulary; that module says why and how it is checked). Anything else, and a block type's data that is not
 whole blocks, is refused with a one-line `ModelLoadError` that names the file and the problem.
 Reading a file's header (config, tokenizer: `read_gguf_meta`, the gateway's) imports no torch.
 """
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pdserve.runtime import gguf_tensors
+from pdserve.runtime.gguf_header import GGUFHeader, TensorPlace, parse
 from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_gguf
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
@@ -39,8 +41,8 @@ ARCHITECTURES = tuple(s.gguf_arch for s in ARCH_SPECS.values() if s.gguf_arch)
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer, list[Path]]:
-    reader, config, tokenizer = _read_header(path)
-    weights = read_weights(path, reader, config, dtype)
+    _, config, tokenizer = _read_header(path)
+    weights = read_weights(path, config, dtype)
     return config, weights, tokenizer, [path]
 
 
@@ -50,16 +52,16 @@ def read_gguf_meta(path: Path) -> tuple[ModelConfig, GGUFTokenizer, list[Path]]:
     return config, tokenizer, [path]
 
 
-def _read_header(path: Path) -> tuple[GGUFReader, ModelConfig, GGUFTokenizer]:
-    reader = _open(path)
-    gguf_tensors.remember(path, reader)  # the engine's packed weights read the tensors again
-    meta = _Metadata(path, reader)
+def _read_header(path: Path) -> tuple[GGUFHeader, ModelConfig, GGUFTokenizer]:
+    header = _open(path)
+    gguf_tensors.remember(path, header)  # the weights and the engine's packed ones read the tensors
+    meta = _Metadata(path, header)
     arch = meta.get("general.architecture")
     if spec_for_gguf(arch) is None:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
                              f"(supported: {', '.join(ARCHITECTURES)})")
     tokenizer = read_tokenizer(meta)
-    return reader, read_config(meta, reader, tokenizer), tokenizer
+    return header, read_config(meta, header.tensors, tokenizer), tokenizer
 
 
 def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
@@ -68,22 +70,21 @@ def load_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
     return read_tokenizer(_Metadata(path, _open(path)))
 
 
-def _open(path: Path) -> GGUFReader:
+def _open(path: Path) -> GGUFHeader:
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/... on any malformed byte
+        return parse(path)
+    except Exception as e:  # the parse raises ValueError/struct.error/... on any malformed byte
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
 
 
 class _Metadata:
     """Typed access to a GGUF file's key-value metadata, with errors that name the file."""
 
-    def __init__(self, path: Path, reader: GGUFReader) -> None:
-        self.path, self._fields = path, reader.fields
+    def __init__(self, path: Path, header: GGUFHeader) -> None:
+        self.path, self._values = path, header.metadata
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
+        return self._values.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -125,13 +126,13 @@ def _eos_ids(meta: _Metadata, tokens: list[str], template: str | None) -> tuple[
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -> ModelConfig:
+def read_config(meta: _Metadata, tensors: tuple[TensorPlace, ...], tokenizer: GGUFTokenizer) -> ModelConfig:
     arch = meta.require("general.architecture")
     spec = spec_for_gguf(arch)
     key = lambda name: f"{arch}.{name}"  # noqa: E731 - hyper-parameters are keyed by architecture
     hidden = int(meta.require(key("embedding_length")))
     heads = int(meta.require(key("attention.head_count")))
-    _refuse_rope_scaling(meta, reader, arch)
+    _refuse_rope_scaling(meta, tensors, arch)
     try:
         return ModelConfig(
             architecture=spec.name,
@@ -145,8 +146,8 @@ def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -
             rms_norm_eps=_float32(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
             rope_theta=_float32(meta.get(key("rope.freq_base"), 10000.0)),
             max_position_embeddings=int(meta.get(key("context_length"), 2048)),
-            tie_word_embeddings=not _has_tensor(reader, spec, "lm_head"),
-            attention_bias=_has_tensor(reader, spec, "q_bias"),
+            tie_word_embeddings=not _has_tensor(tensors, spec, "lm_head"),
+            attention_bias=_has_tensor(tensors, spec, "q_bias"),
             bos_token_id=tokenizer.bos_id,
             eos_token_ids=tokenizer.eos_ids,
         )
@@ -154,20 +155,20 @@ def read_config(meta: _Metadata, reader: GGUFReader, tokenizer: GGUFTokenizer) -
         raise ModelLoadError(f"{meta.path}: {e}") from e
 
 
-def _has_tensor(reader: GGUFReader, spec: ArchSpec, role: str) -> bool:
+def _has_tensor(tensors: tuple[TensorPlace, ...], spec: ArchSpec, role: str) -> bool:
     """Whether the file holds the tensor of `role` (of any layer, for a layer tensor)."""
     if any(t.role == role for t in spec.global_tensors):
-        return any(t.name == spec.global_tensor(role).gguf for t in reader.tensors)
+        return any(t.name == spec.global_tensor(role).gguf for t in tensors)
     suffix = "." + spec.layer_tensor(role).gguf
-    return any(t.name.endswith(suffix) for t in reader.tensors)
+    return any(t.name.endswith(suffix) for t in tensors)
 
 
-def _refuse_rope_scaling(meta: _Metadata, reader: GGUFReader, arch: str) -> None:
+def _refuse_rope_scaling(meta: _Metadata, tensors: tuple[TensorPlace, ...], arch: str) -> None:
     """RoPE scaling (linear, YaRN, Llama 3's) is not implemented: refuse it rather than ignore it."""
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelLoadError(f"{meta.path}: unsupported RoPE scaling {scaling!r}")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # how llama.cpp stores Llama 3's
+    if any(t.name == "rope_freqs.weight" for t in tensors):  # how llama.cpp stores Llama 3's
         raise ModelLoadError(f"{meta.path}: unsupported RoPE scaling 'llama3' (tensor rope_freqs.weight)")
 
 
@@ -176,15 +177,14 @@ def _float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def read_weights(path: Path, reader: GGUFReader, config: ModelConfig,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors the spec names, under their HF names, Q/K rows back in HF order; a tied head
     is made the embedding by `loader.tie_head`."""
     from pdserve.quant.gguf_packed import PackedFormatError, check_blocks
 
     spec = config.arch
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in gguf_tensors.tensors(path):  # the table _read_header kept: views of one fresh mapping
         name = spec.from_gguf(t.name)
         if name is None:
             continue  # not a weight of the HF model

@@ -1,10 +1,9 @@
 """Where a GGUF file's tensors lie, read once per file a process loads.
 
-Why: gguf's `GGUFReader` turns every metadata value into numpy views before it lists a single
-tensor (SmolLM2's vocabulary, token types and merges: ~200k values, 2.7 s on a 2-core Zen 3 EPYC),
-and an engine's load asked a file for its tensors three times (the weights, the projections' packed
-codes, the head's type): building a SmolLM2 engine from its loaded checkpoint took 6.5 s there, 0.6
-s now. The table keeps each tensor's place, not the file: `tensors` maps the file again for its
+Why: an engine's load asks a file for its tensors three times (the weights, the projections' packed
+codes, the head's type), and a header parse was 2.7 s with gguf's reader (SmolLM2, 2-core Zen 3
+EPYC; `runtime.gguf_header` reads it in 0.1 s now): building a SmolLM2 engine from its loaded
+checkpoint took 6.5 s there, 0.6 s with the table kept. The table keeps each tensor's place, not the file: `tensors` maps the file again for its
 caller (a mapping costs nothing until read), so no page of the file stays mapped once the caller
 drops the arrays. A table is taken only while the file's size and its header's bytes (metadata and
 tensor infos, everything the table comes from: 1.8 MB for SmolLM2, hashed in about 3 ms) are those
@@ -21,23 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import ReaderTensor
+
+from pdserve.runtime.gguf_header import GGUFHeader, TensorPlace, parse
 
 _KEPT_FILES = 4  # tables kept (a process loads one model; tests load a few)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorPlace:
-    """A tensor as `GGUFReader` lists it, less its data: where the data lies and how to view it."""
-
-    name: str
-    tensor_type: GGMLQuantizationType
-    shape: tuple[int, ...]  # GGUF's order, fastest dimension first (ReaderTensor.shape)
-    n_elements: int
-    n_bytes: int
-    data_offset: int  # from the start of the file
-    data_dtype: np.dtype  # the reader's view: the element type, or uint8 bytes for block types
-    data_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +44,9 @@ def _digest(path: Path, n: int) -> bytes:
         return hashlib.blake2b(f.read(n), digest_size=16).digest()
 
 
-def _place(t: ReaderTensor) -> TensorPlace:
-    return TensorPlace(t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.n_elements), int(t.n_bytes),
-                       int(t.data_offset), t.data.dtype, tuple(t.data.shape))
-
-
-def remember(path: Path, reader: GGUFReader) -> tuple[TensorPlace, ...]:
-    """Keep (and return) the table of the file that `reader` has just parsed."""
-    table = _Table(os.path.getsize(path), _digest(path, reader.data_offset), reader.data_offset,
-                   tuple(_place(t) for t in reader.tensors))
+def remember(path: Path, header: GGUFHeader) -> tuple[TensorPlace, ...]:
+    """Keep (and return) the table of the file whose header has just been parsed."""
+    table = _Table(os.path.getsize(path), _digest(path, header.data_offset), header.data_offset, header.tensors)
     key = str(Path(path).resolve())
     with _lock:
         _tables[key] = table
@@ -84,9 +65,9 @@ def _kept(path: Path) -> tuple[TensorPlace, ...] | None:
 
 
 def places(path: Path) -> tuple[TensorPlace, ...]:
-    """The file's tensor table: kept, or parsed now (gguf's errors propagate: callers name the file)."""
+    """The file's tensor table: kept, or parsed now (the parse's errors propagate: callers name the file)."""
     kept = _kept(path)
-    return kept if kept is not None else remember(path, GGUFReader(path))
+    return kept if kept is not None else remember(path, parse(path))
 
 
 def tensors(path: Path) -> list[ReaderTensor]:
