@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from conftest import model_config_from_hf, random_hf_model
 from pdserve.kvwire import decode_block, encode_block
@@ -151,3 +152,27 @@ def test_decode_uses_the_prefix_it_can_get_when_a_later_block_is_missing(make_en
         decoder.step()
     assert seq.output_ids == expected
     decoder.check_leaks()
+
+
+def test_a_partial_blocks_rows_past_the_prompt_leave_as_zeros(make_engine, hf):
+    """A prompt's tail block may be one another sequence wrote and freed: its rows past the prompt
+    must not leave the engine (they would travel to the kvstore under this prompt's hash)."""
+    config, weights = model_config_from_hf(hf.config, "llama"), hf.state_dict()
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    used = make_engine(config, weights, num_blocks=6)
+    used.generate([_prompts()[3]], greedy)  # 88 tokens: every block written; 5 full ones cached
+    assert used.kv_cache.abs().amax(dim=(1, 2, 3, 4, 5)).count_nonzero() == 6
+    fresh = make_engine(config, weights, num_blocks=6)
+    prompt = _prompts()[2]  # 29 tokens: a full block and a 13-token tail
+    once = SamplingParams(max_tokens=1, temperature=0)
+    exported = {}
+    for name, engine in (("used", used), ("fresh", fresh)):
+        engine.add_request("p", prompt, once, hold_blocks=True)
+        while engine.has_unfinished():
+            engine.step()
+        exported[name] = engine.export_held("p")
+        engine.release_held("p")
+    tail = exported["used"][-1]
+    assert tail.num_tokens == 13 and not tail.data[:, :, 13:].any()
+    for a, b in zip(exported["used"], exported["fresh"], strict=True):
+        assert a.hash == b.hash and torch.equal(a.data, b.data)

@@ -46,8 +46,18 @@ def export_prompt_blocks(engine: Engine, seq: Sequence, skip: Collection[bytes] 
     elsewhere already: copying a long conversation's history on every turn costs real time)."""
     fmt = engine.kv_format
     n, bs = len(seq.prompt_ids), fmt.block_size
-    return [ExportedBlock(h, engine.kv_cache[seq.block_table[i]].clone(), min(bs, n - i * bs))
+    return [_prompt_block(engine, seq.block_table[i], h, min(bs, n - i * bs))
             for i, h in enumerate(fmt.prompt_hashes(seq.prompt_ids)) if h not in skip]
+
+
+def _prompt_block(engine: Engine, block_id: int, hash_: bytes, valid: int) -> ExportedBlock:
+    """A copy of the block, its token rows past `valid` zeroed: a partial tail's block may have held
+    another sequence's tokens there (a freed block is taken again), which must not leave this engine
+    under this prompt's hash. A scaled format's scale row (after the token rows) is kept."""
+    data = engine.kv_cache[block_id].clone()  # [layers, 2, rows, KVH, D]
+    if valid < engine.kv_format.block_size:
+        data[:, :, valid:engine.kv_format.block_size] = 0
+    return ExportedBlock(hash_, data, valid)
 
 
 def place_cached_blocks(engine: Engine, hashes: list[bytes], blocks: Mapping[bytes, torch.Tensor],
