@@ -470,11 +470,15 @@ def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtyp
     from pdserve.runtime.gguf_reader import unpermute_rope_rows
 
     arch = config.arch
-    out: dict[str, torch.Tensor | Int4Codes] = dict(weights)
-    for name in arch.projection_names(config):
+    projections = arch.projection_names(config)
+    replaced = set(projections)
+    # Not dict(weights): a lazily loaded projection that the codes replace is never read (lazy_weights).
+    out: dict[str, torch.Tensor | Int4Codes] = {n: weights[n] for n in weights if n not in replaced}
+    for name in projections:
         codes = (from_file or {}).get(name)
         if codes is None:
             if not rtn_others:
+                out[name] = weights[name]  # the float weight as loaded
                 continue
             codes = quantize_rtn(weights[name])
         else:

@@ -13,6 +13,7 @@ Reading a file's header (config, tokenizer: `read_gguf_meta`, the gateway's) imp
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from pdserve.runtime.arch import ARCH_SPECS, ArchSpec, spec_for_gguf
 from pdserve.runtime.config import ConfigError, ModelConfig
 from pdserve.runtime.loader import ModelLoadError
 from pdserve.runtime.gguf_vocab import VocabError, build_tokenizer
+from pdserve.runtime.lazy_weights import LazyWeights
 from pdserve.runtime.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:  # the weights' functions import it: reading a header (the gateway's) needs no torch
@@ -177,13 +179,15 @@ def _float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def read_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors the spec names, under their HF names, Q/K rows back in HF order; a tied head
-    is made the embedding by `loader.tie_head`."""
+def read_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> LazyWeights:
+    """The tensors the spec names, under their HF names, Q/K rows back in HF order, each read and
+    dequantized when first asked for (runtime.lazy_weights: an engine on the 4-bit codes never asks
+    for its projections); types and block sizes are checked now. A tied head is made the embedding
+    by `loader.tie_head`."""
     from pdserve.quant.gguf_packed import PackedFormatError, check_blocks
 
     spec = config.arch
-    weights: dict[str, torch.Tensor] = {}
+    loaders = {}
     for t in gguf_tensors.tensors(path):  # the table _read_header kept: views of one fresh mapping
         name = spec.from_gguf(t.name)
         if name is None:
@@ -191,16 +195,20 @@ def read_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[st
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported GGML type {t.tensor_type.name} "
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:  # a block type's data must be whole blocks of the right size: else gguf's numpy errors
-            check_blocks(int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), t.data.nbytes)
+            check_blocks(int(t.tensor_type), shape, t.data.nbytes)
         except PackedFormatError as e:
             raise ModelLoadError(f"{path}: tensor {t.name}: {e}") from e
-        w = _to_torch(t).to(dtype)
-        heads = spec.gguf_permuted_heads(name, config)
-        if heads is not None:
-            w = unpermute_rope_rows(w, heads)
-        weights[name] = w.contiguous()
-    return weights
+        loaders[name] = (shape, partial(_load, t, spec.gguf_permuted_heads(name, config), dtype))
+    return LazyWeights(loaders)
+
+
+def _load(t: Any, heads: int | None, dtype: torch.dtype) -> torch.Tensor:
+    w = _to_torch(t).to(dtype)
+    if heads is not None:
+        w = unpermute_rope_rows(w, heads)
+    return w.contiguous()
 
 
 def _to_torch(t: Any) -> torch.Tensor:

@@ -38,7 +38,8 @@ class ModelLoadError(Exception):
 @dataclass(frozen=True)
 class Checkpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF Llama names, all in the requested dtype
+    # HF Llama names, all in the requested dtype; a GGUF's are read when first asked for (LazyWeights)
+    weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     fingerprint: str  # 32 hex chars over the config and the weight files (not the dtype)
     source: Path
@@ -123,11 +124,13 @@ def tie_head(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
 
 
 def check_weights(source: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    from pdserve.runtime.lazy_weights import shape_of
+
     for name, shape in config.arch.expected_shapes(config).items():
         if name not in weights:
             raise ModelLoadError(f"{source}: missing tensor {name}")
-        if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+        if shape_of(weights, name) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {shape_of(weights, name)}, "
                                  f"expected {shape} from the config")
 
 
