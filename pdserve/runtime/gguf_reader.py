@@ -5,9 +5,10 @@ scaling, Mistral, SmolLM: llama.cpp writes them all as "llama") and ``qwen2`` (q
 spec maps GGUF tensor names onto HF ones and says whose Q/K rows llama.cpp permuted. Tensor types:
 `SUPPORTED_TYPES`, dequantized by the `gguf` package into the requested dtype (the engine may keep
 the projections' codes packed instead: pdserve.quant.gguf_packed re-reads them, through the tensor
-table this parse keeps, `runtime.gguf_tensors`). The header is read by `runtime.gguf_header` (gguf's
-reader took 3 s a parse for SmolLM2's vocabulary; that module says why and how it is checked). Anything else, and a block type's data that is not
-whole blocks, is refused with a one-line `ModelLoadError` that names the file and the problem.
+table this parse keeps, `runtime.gguf_tensors`), each when first asked for (`runtime.lazy_weights`).
+The header is read by `runtime.gguf_header` (gguf's reader took 2.75 s a parse for SmolLM2's
+vocabulary; that module says why and how it is checked). Anything else, and a block type's data that
+is not whole blocks, is refused with a one-line `ModelLoadError` that names the file and the problem.
 Reading a file's header (config, tokenizer: `read_gguf_meta`, the gateway's) imports no torch.
 """
 
