@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from pdserve.runtime.config import CacheConfig, ModelConfig
-from pdserve.runtime.kv_cache import KV_DTYPES, allocate_kv_cache, zero_pages
+from pdserve.runtime.config import CacheConfig, ConfigError, ModelConfig
+from pdserve.runtime.kv_cache import KV_DTYPES, allocate_kv_cache, check_fits, memory_available, zero_pages
 
 MiB = 1 << 20
 
@@ -60,3 +60,16 @@ def test_every_kv_dtype_maps_to_a_zero_tensor_of_its_shape(name):
 
 def test_an_empty_shape_is_an_empty_tensor():
     assert zero_pages((0, 4), torch.float32).shape == (0, 4)
+
+
+def test_a_cache_larger_than_the_memory_available_is_refused_at_start():
+    """Mapped lazily, it would start, and the OOM killer would end the worker once its blocks filled."""
+    with pytest.raises(ConfigError, match=r"^--num-blocks 10000000: the KV cache would take 6866\.5 GiB "
+                                          r"\(0\.70 MiB a block\), more than the .* GiB this machine has available; "
+                                          r"at most \d+ blocks fit"):
+        allocate_kv_cache(big_model(), CacheConfig(num_blocks=10_000_000), "cpu")
+    check_fits(4096, 1 << 20, available=4096 << 20)  # exactly fits
+    with pytest.raises(ConfigError, match=r"at most 4095 blocks fit"):
+        check_fits(4096, 1 << 20, available=(4096 << 20) - 1)
+    available = memory_available()
+    assert available is None or available > 0

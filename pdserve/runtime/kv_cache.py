@@ -66,7 +66,37 @@ def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: str) -> to
     shape = (cache.num_blocks, *block_shape(model, cache))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return zero_pages(shape, dtype)
+    check_fits(cache.num_blocks, math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size())
+    try:
+        return zero_pages(shape, dtype)
+    except OSError as e:  # the kernel refused the mapping outright (more than memory and swap)
+        raise ConfigError(f"--num-blocks {cache.num_blocks}: the KV cache cannot be mapped ({e}); lower it") from e
+
+
+def check_fits(num_blocks: int, block_bytes: int, available: int | None = None) -> None:
+    """ConfigError when `num_blocks` blocks would take more than the memory available now: the pages
+    are taken as blocks are written (`zero_pages`), so such a cache would start and the OOM killer
+    would end the worker once its blocks filled it, mid-stream."""
+    available = memory_available() if available is None else available
+    if available is None or num_blocks * block_bytes <= available:
+        return
+    gib = 1 << 30
+    raise ConfigError(f"--num-blocks {num_blocks}: the KV cache would take {num_blocks * block_bytes / gib:.1f} GiB "
+                      f"({block_bytes / (1 << 20):.2f} MiB a block), more than the {available / gib:.1f} GiB this "
+                      f"machine has available; at most {available // block_bytes} blocks fit (fewer beside other "
+                      f"processes)")
+
+
+def memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
