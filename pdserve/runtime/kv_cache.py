@@ -103,8 +103,8 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor on memory the kernel hands out page by page as it is first written.
 
     Why: `torch.zeros` writes every byte, so a worker's default cache (SmolLM2: 4096 blocks of fp32,
-    2.9 GB) was resident from its start, and zeroing it took a second of the start (on a 2-core AMD
-    EPYC). An anonymous private mapping reads as zeros (the kernel's guarantee, not the allocator's
+    2.9 GB) was resident from its start, and zeroing it took a second of the start (a worker alone on
+    a 2-core AMD EPYC; more with two workers starting at once). An anonymous private mapping reads as zeros (the kernel's guarantee, not the allocator's
     like `torch.empty`'s), and a page costs memory only once a block on it is written: a worker's RSS
     follows the blocks it has used (every block, once the prefix cache has filled it), not --num-blocks.
     The tensor keeps the mapping alive (torch.frombuffer holds a reference to its buffer)."""
