@@ -4,10 +4,10 @@ Why: an engine's load asks a file for its tensors three times (the weights, the 
 codes, the head's type), and a header parse was 2.75 s with gguf's reader (SmolLM2, 2-core Zen 3
 EPYC; `runtime.gguf_header` reads it in 0.14 s now): building a SmolLM2 engine from its loaded
 checkpoint took 6.5 s there, 0.6 s with the table kept. The table keeps each tensor's place, not
-the file: `tensors` maps the file again for its caller (a mapping costs nothing until read), so no page of the file stays mapped once the caller
-drops the arrays. A table is taken only while the file's size and its header's bytes (metadata and
-tensor infos, everything the table comes from: 1.8 MB for SmolLM2, hashed in about 3 ms) are those
-it was read from; else the file is parsed again.
+the file: `tensors` maps the file again for its caller (a mapping costs nothing until read), so no
+page of the file stays mapped once the caller drops the arrays. A table is taken only while the
+file's size and its header's bytes (metadata and tensor infos, everything the table comes from: 1.8
+MB for SmolLM2, hashed in about 3 ms) are those it was read from; else the file is parsed again.
 """
 
 from __future__ import annotations
