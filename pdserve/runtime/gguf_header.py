@@ -71,6 +71,7 @@ class _Cursor:
 
     def __init__(self, buf: mmap.mmap, order: str) -> None:
         self.buf, self.order, self.pos = buf, order, 0
+        self._length = struct.Struct(order + "Q")  # a string's length: ~100k reads in SmolLM2's header
 
     def scalar(self, code: str) -> Any:
         fmt = self.order + code
@@ -79,7 +80,8 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.scalar("Q")
+        (n,) = self._length.unpack_from(self.buf, self.pos)
+        self.pos += 8
         end = self.pos + n
         if end > len(self.buf):
             raise ValueError(f"a string of {n} bytes at offset {self.pos} runs past the end of the file")

@@ -44,8 +44,8 @@ ARCHITECTURES = tuple(s.gguf_arch for s in ARCH_SPECS.values() if s.gguf_arch)
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 def read_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFTokenizer, list[Path]]:
-    _, config, tokenizer = _read_header(path)
-    weights = read_weights(path, config, dtype)
+    header, config, tokenizer = _read_header(path)
+    weights = read_weights(path, header.tensors, config, dtype)
     return config, weights, tokenizer, [path]
 
 
@@ -57,7 +57,7 @@ def read_gguf_meta(path: Path) -> tuple[ModelConfig, GGUFTokenizer, list[Path]]:
 
 def _read_header(path: Path) -> tuple[GGUFHeader, ModelConfig, GGUFTokenizer]:
     header = _open(path)
-    gguf_tensors.remember(path, header)  # the weights and the engine's packed ones read the tensors
+    gguf_tensors.remember(path, header)  # the engine reads the tensors again (packed codes, the head type)
     meta = _Metadata(path, header)
     arch = meta.get("general.architecture")
     if spec_for_gguf(arch) is None:
@@ -180,7 +180,8 @@ def _float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def read_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> LazyWeights:
+def read_weights(path: Path, places: tuple[TensorPlace, ...], config: ModelConfig, dtype: torch.dtype
+                 ) -> LazyWeights:
     """The tensors the spec names, under their HF names, Q/K rows back in HF order, each read and
     dequantized when first asked for (runtime.lazy_weights: an engine on the 4-bit codes never asks
     for its projections); types and block sizes are checked now. A tied head is made the embedding
@@ -189,7 +190,7 @@ def read_weights(path: Path, config: ModelConfig, dtype: torch.dtype) -> LazyWei
 
     spec = config.arch
     loaders = {}
-    for t in gguf_tensors.tensors(path):  # the table _read_header kept: views of one fresh mapping
+    for t in gguf_tensors.views(path, places):  # the header's tensors over one fresh mapping
         name = spec.from_gguf(t.name)
         if name is None:
             continue  # not a weight of the HF model

@@ -73,9 +73,14 @@ def places(path: Path) -> tuple[TensorPlace, ...]:
 def tensors(path: Path) -> list[ReaderTensor]:
     """The file's tensors as `GGUFReader.tensors` lists them (their `field` None), the data views of
     one fresh read-only mapping."""
+    return views(path, places(path))
+
+
+def views(path: Path, table: tuple[TensorPlace, ...]) -> list[ReaderTensor]:
+    """The tensors of `table` (the file's, just parsed) over one fresh read-only mapping of it."""
     data = np.memmap(path, mode="r")
     return [ReaderTensor(name=p.name, tensor_type=p.tensor_type, shape=np.array(p.shape, dtype=np.uint64),
                          n_elements=p.n_elements, n_bytes=p.n_bytes, data_offset=p.data_offset,
                          data=data[p.data_offset:p.data_offset + p.n_bytes].view(p.data_dtype).reshape(p.data_shape),
                          field=None)
-            for p in places(path)]
+            for p in table]

@@ -66,7 +66,7 @@ def allocate_kv_cache(model: ModelConfig, cache: CacheConfig, device: str) -> to
     shape = (cache.num_blocks, *block_shape(model, cache))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    check_fits(cache.num_blocks, math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size())
+    check_fits(cache.num_blocks, math.prod(shape[1:]) * dtype.itemsize)
     try:
         return zero_pages(shape, dtype)
     except OSError as e:  # the kernel refused the mapping outright (more than memory and swap)
@@ -108,7 +108,7 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     like `torch.empty`'s), and a page costs memory only once a block on it is written: a worker's RSS
     follows the blocks it has used (every block, once the prefix cache has filled it), not --num-blocks.
     The tensor keeps the mapping alive (torch.frombuffer holds a reference to its buffer)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -12,59 +12,56 @@ while the mapping lives: a worker drops its checkpoint once its engine is built.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True, slots=True)
+class _Unread:
+    shape: tuple[int, ...]
+    load: Callable[[], torch.Tensor]
+
+
 class LazyWeights(MutableMapping):
     """name -> tensor; `loaders` gives each name's shape and the function that reads it."""
 
     def __init__(self, loaders: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]) -> None:
-        self._pending = dict(loaders)
-        self._loaded: dict[str, torch.Tensor] = {}
-        self._order = list(loaders)  # the file's order, kept for iteration
+        # In the file's order; a name maps to its tensor once read, to an _Unread before.
+        self._entries: dict[str, torch.Tensor | _Unread] = {n: _Unread(*entry) for n, entry in loaders.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._loaded:
-            _, load = self._pending[name]  # KeyError for a name the file does not hold
-            self._loaded[name] = load()
-            del self._pending[name]
-        return self._loaded[name]
+        entry = self._entries[name]  # KeyError for a name the file does not hold
+        if isinstance(entry, _Unread):
+            entry = self._entries[name] = entry.load()
+        return entry
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        if name not in self._pending and name not in self._loaded:
-            self._order.append(name)
-        self._pending.pop(name, None)
-        self._loaded[name] = value
+        self._entries[name] = value
 
     def __delitem__(self, name: str) -> None:
-        if name not in self._pending and name not in self._loaded:
-            raise KeyError(name)
-        self._pending.pop(name, None)
-        self._loaded.pop(name, None)
-        self._order.remove(name)
+        del self._entries[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._order))
+        return iter(list(self._entries))
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._loaded or name in self._pending
+        return name in self._entries
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, without reading it."""
-        if name in self._loaded:
-            return tuple(self._loaded[name].shape)
-        return self._pending[name][0]
+        entry = self._entries[name]
+        return entry.shape if isinstance(entry, _Unread) else tuple(entry.shape)
 
     @property
     def loaded(self) -> frozenset[str]:
         """The names read so far (tests, and the log of what a load did)."""
-        return frozenset(self._loaded)
+        return frozenset(n for n, e in self._entries.items() if not isinstance(e, _Unread))
 
 
 def shape_of(weights: MutableMapping, name: str) -> tuple[int, ...]:
