@@ -4,7 +4,7 @@ Why hand-written: gguf's `GGUFReader` builds numpy views for every value before 
 (SmolLM2's vocabulary, token types and merges: ~200k values, 2.75 s a parse on a 2-core Zen 3 EPYC),
 and every process of a stack parses the model's file: the gateway (its tokenizer), each prefill and
 decode worker. This reads the same format (GGUF v2 and v3, either byte order, `general.alignment`)
-with `struct` and one numpy read per numeric array: 0.14 s for SmolLM2. The format's constants
+with `struct` and one numpy read per numeric array: 0.06-0.14 s for SmolLM2. The format's constants
 (value types, tensor types and their block sizes) are gguf's, and gguf's reader stays the reference:
 tests/test_gguf_header.py compares every value and tensor place with it. A nested array (an array
 of arrays, which no model file of ours holds) is left to gguf's reader (`NestedArray`).

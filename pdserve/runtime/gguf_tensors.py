@@ -2,7 +2,7 @@
 
 Why: an engine's load asks a file for its tensors three times (the weights, the projections' packed
 codes, the head's type), and a header parse was 2.75 s with gguf's reader (SmolLM2, 2-core Zen 3
-EPYC; `runtime.gguf_header` reads it in 0.14 s now): building a SmolLM2 engine from its loaded
+EPYC; `runtime.gguf_header` reads it in 0.06-0.14 s now): building a SmolLM2 engine from its loaded
 checkpoint took 6.5 s there, 0.6 s with the table kept. The table keeps each tensor's place, not
 the file: `tensors` maps the file again for its caller (a mapping costs nothing until read), so no
 page of the file stays mapped once the caller drops the arrays. A table is taken only while the
