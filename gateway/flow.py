@@ -40,9 +40,11 @@
 
 Every downstream call gets the client's remaining time as its timeout (an HTTP request's is
 --http-timeout-s, gateway.deadlines). A client cancel cancels
-the task running this generator, which cancels the call in progress. Work owned by nobody is
-released here: the kvstore lease of a request that never reaches a decode worker (or whose
-decode worker failed, or whose client went away) is ended in the background.
+the task running this generator, which cancels the call in progress. The request's kvstore lease
+is ended here in the background when the request ends, however it ends: its decode worker ends it
+too (once the KV is in its cache), but a worker killed between its last chunk and that release
+would leave the blocks pinned until the store's TTL (120 s), and a request that never reached a
+decode worker has no other owner. A release is final and idempotent in the store (kvstore.store).
 
 Requests with a session_id feed `sessions.SessionTracker`; a background task (started with the
 first such request) sends each session's blocks to its prefill and decode workers shortly before
@@ -221,7 +223,6 @@ class RequestFlow:
                 progress.generated.append(result.first_token)
                 yield out.add((result.first_token,), first_lp, result.finish_reason)
                 if out.finished:
-                    self._end_lease(rid)  # no decode worker will ever own this request's blocks
                     self._session_end(request.session_key, "", prompt_ids, progress.generated, result.worker)
                     return
             decode_ep = hinted if hinted.healthy else self.decode_pool.pick_decode(blocks_needed, resident)
@@ -243,12 +244,8 @@ class RequestFlow:
                 return
             raise ServiceError(grpc.StatusCode.INTERNAL, f"decode worker {progress.worker} ended the stream"
                                                          f" of {rid} without a finish reason")
-        except ServiceError:
-            self._end_lease(rid)  # a failed worker may have left the request's blocks pinned
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            self._end_lease(rid)  # the client went away, maybe before a decode worker took the blocks over
-            raise
+        finally:
+            self._end_lease(rid)  # whatever the decode worker did or could not do (module docstring)
 
     def _assembler(self, prompt_ids: list[int], sampling: SamplingParams, prompt_tokens: int,
                    cached_tokens: int) -> OutputAssembler:

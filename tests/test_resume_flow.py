@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+import torch
 
 from gateway import server as gateway_server
 from gateway.deadlines import Deadlines
@@ -25,19 +26,34 @@ from gateway.retry import RetryBudget, RetryBudgetConfig
 from gateway.targets import parse_target
 from gateway.worker_calls import decode_stub, prefill_stub
 from gateway.workers import WorkerEndpoint, WorkerPool
+from kvstore.client import KVStoreClient
+from kvstore.server import serve as serve_kvstore
 from pdserve.grpc_server import ServiceError, start_server, stop_server
+from pdserve.kvwire import encode_block
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 PROMPT = "Once upon a time"
+KV_SPEC = KVFormat("ab" * 16, torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
 STORY = " there was a little girl named Lily. She loved to play outside in the sun with her dog."
 
 
 class Prefill(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, first_token: int) -> None:
-        self.first_token = first_token
+    """Answers every prompt with `first_token`; with a kvstore, first puts one block there under the
+    request's lease, as a prefill worker leaves the prompt's KV for the decode worker (pinned), and
+    appends the store's count of live leases after the put to `leases_after_put`."""
+
+    def __init__(self, first_token: int, kvstore: KVStoreClient | None = None,
+                 leases_after_put: list[int] | None = None) -> None:
+        self.first_token, self.kvstore = first_token, kvstore
+        self.leases_after_put = leases_after_put if leases_after_put is not None else []
 
     async def Prefill(self, request, context):
+        if self.kvstore is not None:
+            block = encode_block(torch.zeros(KV_SPEC.shape), KV_SPEC, KV_SPEC.block_size)
+            await self.kvstore.put_blocks(request.request_id, [(b"h" * 16, block)])
+            self.leases_after_put.append((await self.kvstore.stats()).num_leases)
         return worker_pb2.PrefillResponse(request_id=request.request_id, first_token=self.first_token,
                                           block_hashes=[b"h" * 16], prompt_tokens=len(request.token_ids))
 
@@ -84,9 +100,10 @@ def model() -> ModelInfo:
 
 @asynccontextmanager
 async def flow_with(model: ModelInfo, workers: int, deaths: int, die_after: int = 3, hangs: int = 0,
-                    limits: Deadlines | None = None) -> AsyncIterator[tuple[RequestFlow, list]]:
+                    limits: Deadlines | None = None, kvstore: KVStoreClient | None = None,
+                    leases_after_put: list[int] | None = None) -> AsyncIterator[tuple[RequestFlow, list]]:
     """A flow over one prefill worker and `workers` decode workers that die `deaths` times and
-    fall silent `hangs` times in all."""
+    fall silent `hangs` times in all (none of them ever releases a kvstore lease)."""
     tok = model.tokenizer
     prompt, story = tok.encode(PROMPT), tok.encode(STORY, add_bos=False)
     budget, silences = [deaths], [hangs]
@@ -94,7 +111,7 @@ async def flow_with(model: ModelInfo, workers: int, deaths: int, die_after: int 
     servers = [await start_server("127.0.0.1:0", lambda s, d=d: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(d, s),
                                   ["fake"]) for d in decoders]
     servers.append(await start_server("127.0.0.1:0", lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        Prefill(story[0]), s), ["fake"]))
+        Prefill(story[0], kvstore, leases_after_put), s), ["fake"]))
     addresses = [f"127.0.0.1:{port}" for _, port in servers]
     # Probed at start only: a worker marked down by a failed call stays down for the whole test.
     pools = [WorkerPool("prefill", [parse_target(addresses[-1])], prefill_stub, probe_interval_s=600),
@@ -102,7 +119,7 @@ async def flow_with(model: ModelInfo, workers: int, deaths: int, die_after: int 
     for pool in pools:
         await pool.start()
     try:
-        yield RequestFlow(model, *pools, None, InflightLimit(8), deadlines=limits), decoders
+        yield RequestFlow(model, *pools, kvstore, InflightLimit(8), deadlines=limits), decoders
     finally:
         for pool in pools:
             await pool.close()
@@ -226,3 +243,36 @@ def test_an_http_request_has_a_deadline(model: ModelInfo) -> None:
         last = json.loads(streamed.split(b"\n\n")[-2].removeprefix(b"data: "))
         assert last["error"]["type"] == "timeout"
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("ending", ["length", "stop", "unavailable"])
+def test_the_gateway_ends_the_lease_its_decode_worker_never_released(model: ModelInfo, ending: str) -> None:
+    """A decode worker killed between its last chunk and its release of the request's kvstore lease
+    (the soak's kill fired as a request ended) left the prompt's blocks pinned until the store's
+    TTL, 120 s. These decode workers never release: the gateway does, however the request ends (a
+    finished stream, a stop string closing it early, its worker lost without a resume)."""
+    tok = model.tokenizer
+    stop = tok.decode(tok.encode(STORY, add_bos=False)[2:5]).strip()
+
+    async def scenario() -> object:
+        server, port = await serve_kvstore("127.0.0.1:0", 1 << 20)
+        kv = KVStoreClient(f"127.0.0.1:{port}", timeout_s=30)
+        try:
+            async with flow_with(model, 1, deaths=int(ending == "unavailable"), kvstore=kv,
+                                 leases_after_put=leases_after_put) as (flow, _):
+                try:
+                    chunks = await _run(flow, max_tokens=12, stop=(stop,) if ending == "stop" else ())
+                    assert chunks[-1].finish_reason == ending
+                except ServiceError as err:
+                    assert ending == "unavailable" and err.code == grpc.StatusCode.UNAVAILABLE
+                deadline = asyncio.get_running_loop().time() + 10
+                while (stats := await kv.stats()).num_leases and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.02)
+            return stats
+        finally:
+            await kv.close()
+            await server.stop(None)
+    leases_after_put: list[int] = []
+    stats = asyncio.run(scenario())
+    assert leases_after_put == [1]  # the prompt's block was pinned under the request's lease
+    assert (stats.num_leases, stats.num_pinned, stats.num_blocks) == (0, 0, 1)  # released, still cached
