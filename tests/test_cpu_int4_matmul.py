@@ -85,7 +85,7 @@ def test_bf16_int4_kernel_is_the_fp32_kernel_on_the_widened_inputs_rounded_once(
     assert kernel.matmul_bf16(x.float(), _nibbles(codes), scale, mins) is None  # fp32 rows: `matmul`'s
 
 
-def test_bf16_int4_linear_runs_few_rows_on_the_kernel_and_more_on_torchs():
+def test_bf16_int4_linear_runs_few_rows_on_the_kernel_and_more_on_torchs_or_amx():
     gen = torch.Generator().manual_seed(3)
     codes = quantize_rtn(torch.randn(96, 576, generator=gen) * 0.05).for_dtype(torch.bfloat16)
     linear = Int4Linear(codes)
@@ -96,7 +96,10 @@ def test_bf16_int4_linear_runs_few_rows_on_the_kernel_and_more_on_torchs():
     want = few.double() @ linear.dequantized().double().t()
     bound = kernel.error_bound(few.float(), linear.codes_f32(), q8.scale).double()
     assert ((linear(few).double() - want).abs() <= bound + 2 ** -8 * want.abs() + 1e-5).all()
-    assert torch.equal(linear(x), torch._weight_int4pack_mm_for_cpu(x, linear.packed, 32, linear.scales_and_zeros))
+    if linear.amx is not None:  # a CPU with AMX-BF16: those rows on its kernel (tests/test_cpu_int4_amx.py)
+        assert torch.equal(linear(x), kernel.matmul_amx(x, linear.amx, linear.scales_and_zeros, 96))
+    else:
+        assert torch.equal(linear(x), torch._weight_int4pack_mm_for_cpu(x, linear.packed, 32, linear.scales_and_zeros))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

@@ -69,7 +69,9 @@ def test_both_paths_dequantize_to_the_same_weight():
     codes = quantize_rtn(torch.randn(64, 96))
     lin = Int4Linear(codes)
     eye = torch.eye(96).bfloat16()
-    via_kernel = torch._weight_int4pack_mm_for_cpu(eye, lin.packed, 32, lin.scales_and_zeros).t()  # [64, 96]
+    # torch's packing (lin keeps none where the AMX kernel runs: tests/test_cpu_int4_amx.py checks that one)
+    packed = lin.packed if lin.packed is not None else torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
+    via_kernel = torch._weight_int4pack_mm_for_cpu(eye, packed, 32, lin.scales_and_zeros).t()  # [64, 96]
     assert torch.equal(lin.dequantized(), via_kernel)  # the kernel's weight is ours, bit for bit
     assert (lin.dequantized().float() - codes.dequantize()).abs().max() <= 2 ** -7 * codes.dequantize().abs().max()
 

@@ -59,6 +59,12 @@ DENSE_COPY_FROM_ROWS_TWO_PLANES = 8
 # SmolLM2 layers' projections at one thread (Xeon, AMX): 8 rows 29.8 -> 18.4 ms, 32 rows 28.5 -> 22.5,
 # 200 rows 61.1 -> 35.9; torch's int4 kernel takes 19.2 ms at 8 rows, 28.4 at 12: dense from 8 rows.
 DENSE_PACKED_FROM_ROWS = 8
+# bf16 calls of BF16_Q8_BELOW_ROWS up to this many rows run on the AMX kernel where the CPU has it
+# (cpu_int4_matmul.matmul_amx): it reads the 4-bit codes, not the dense copy's 2 bytes a weight. SmolLM2's
+# 30 layers' projections at one thread (Xeon with AMX, 2 cores): 17.8 / 14.8 / 18.7 / 23.8 ms at 8 / 16 /
+# 32 / 64 rows against the dense copy's 21.3 / 21.7 / 24.6 / 27.7 (oneDNN, also on AMX); from 128 rows the
+# dense copy wins (34.0 against 39.8 ms): prompts stay on it.
+AMX_BELOW_ROWS = 96
 
 # Prompt rows' dense matmul in fp32 (Int4Linear._dense_row_invariant): oneDNN's, at least this many
 # rows (fewer take another kernel); without oneDNN, MKL's in chunks of exactly PROMPT_GEMM_ROWS rows.
@@ -208,7 +214,7 @@ class Int4Linear:
     (torch's kernel) or not (dense), as they do by the dense threshold already."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -217,12 +223,13 @@ class Int4Linear:
             raise ValueError(f"int4 weights need input features divisible by {GROUP}, got {pk // p}")
         # fp32 activations with one plane: our C kernel, on our packing (torch's kernel is slow in fp32).
         ours = dtype == torch.float32 and p == 1 and cpu_int4_matmul.available()
-        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours runs every call).
-        self.packed = None if ours else torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
+        amx = amx_runs(codes)
+        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours or the AMX kernel runs every call).
+        self.packed = None if ours or amx else torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
         # [P K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         block = kernel_block_rows()
-        own = ours or block is None or n % block
+        own = ours or amx or block is None or n % block
         # [N, P K / 2] uint8, contiguous: the C kernel reads whole rows (codes may come as a transposed view)
         self.nibbles = _nibbles(codes.codes) if own else None
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
@@ -243,6 +250,8 @@ class Int4Linear:
         few_rows = (dtype == torch.bfloat16 and p == 1 and codes.perm is None and not codes.exact_inputs
                     and cpu_int4_matmul.available())
         self.q8 = self._q8_form(codes) if ours or few_rows else None
+        # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above
+        self.amx = cpu_int4_matmul.amx_codes(codes.codes) if amx else None
 
     def _q8_form(self, codes: Int4Codes) -> Q8Form:
         nibbles = self.nibbles if self.nibbles is not None else _nibbles(codes.codes)
@@ -271,6 +280,10 @@ class Int4Linear:
             y = cpu_int4_matmul.matmul_bf16(x, self.q8.nibbles, self.q8.scale, self.q8.mins, self.q8.bias)
             if y is not None:
                 return y
+        if self.amx is not None:  # no torch packing: AMX below AMX_BELOW_ROWS, dense from it
+            y = None if x.shape[0] >= AMX_BELOW_ROWS else cpu_int4_matmul.matmul_amx(
+                x, self.amx, self.scales_and_zeros, self.out_features, None if self.bias is None else self.bias.float())
+            return self._dense(x) if y is None else y
         if x.shape[0] >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
@@ -399,7 +412,18 @@ class Int4Linear:
         if self.q8 is not None and self.mins is None:  # bf16's own Q8 form (fp32's shares its tensors)
             ts += [t for t in (self.q8.scale, self.q8.mins, self.q8.bias) if t is not None]
             ts += [self.q8.nibbles] if self.nibbles is None else []
+        if self.amx is not None:
+            ts.append(self.amx)
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+def amx_runs(codes: Int4Codes) -> bool:
+    """Whether a linear of these codes runs its bf16 calls on the AMX kernel (`AMX_BELOW_ROWS`): one
+    plane in order, both sizes multiples of its panel, a CPU with AMX-BF16."""
+    n, k = codes.codes.shape
+    return (codes.act_dtype == torch.bfloat16 and codes.planes == 1 and codes.perm is None
+            and n % cpu_int4_matmul.AMX_PANEL == 0 and k % cpu_int4_matmul.AMX_PANEL == 0
+            and cpu_int4_matmul.amx_available())
 
 
 def _nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,13 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # fp32 AVX2 passes (paged_attention_f32.c); the INT8 KV write (kv_write.c, loaded by cpu_kv_write)
 # ships with the decode attention that reads what it writes; the 4- and 8-bit weight matmuls
 # (int4_matmul.c for fp32 inputs quantized to int8, int4_exact.c for them as they are, bf16_matmul.c
-# for an 8-bit head's bf16 inputs: all through cpu_int4_matmul), the layer's row operations
+# for an 8-bit head's bf16 inputs, int4_amx.c for 4-bit weights on AMX tiles with bf16 inputs: all
+# through cpu_int4_matmul), the layer's row operations
 # (layer_ops.c, cpu_layer_ops) and the one-call decode step built on all of them (decode_step.c,
 # cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
     "paged_attention_f32.c", "kv_write.c", "int4_matmul.c", "int4_exact.c", "bf16_matmul.c", "layer_ops.c",
-    "decode_step.c")))
+    "decode_step.c", "int4_amx.c")))
 # included: part of the cache key
 HEADERS = tuple(SOURCE.with_name(name) for name in ("bf16.h", "threads.h", "int4_common.h"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
@@ -59,6 +60,9 @@ _KV_WRITE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p
 KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
 # x, m, k, x_stride; codes, scale, mins, bias; n, y, y_stride, threads (the `_threads` entry points)
 _INT4_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+# x, m, k, x_stride; codes, scale_zero, bias; n, y, y_stride, threads (int4_amx.c)
+_AMX_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 # x, m, k, x_stride; codes, scale; n, y, y_stride, threads
 _INT8_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [
@@ -175,6 +179,8 @@ def library() -> ctypes.CDLL | None:
                            ("int4_linear_exact_f32", _INT4_LINEAR_ARGS), ("int8_linear_exact_f32", _INT8_LINEAR_ARGS)):
         getattr(lib, f"{name}_threads").argtypes, getattr(lib, f"{name}_threads").restype = argtypes, ctypes.c_int
     lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int
+    lib.int4_amx_available.argtypes, lib.int4_amx_available.restype = [], ctypes.c_int
+    lib.int4_amx_linear_threads.argtypes, lib.int4_amx_linear_threads.restype = _AMX_LINEAR_ARGS, ctypes.c_int
     return lib
 
 

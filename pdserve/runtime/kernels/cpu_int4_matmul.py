@@ -135,3 +135,47 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
         return None
     return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_bf16_threads,
                              (codes.data_ptr(), scale.data_ptr()))
+
+
+# Output rows a thread takes at least on the AMX kernel (whole panels of 32 below it cost more to hand off).
+AMX_MIN_ROWS_PER_THREAD = 128
+AMX_PANEL = 32  # output rows a panel (int4_amx.c): n and k must be multiples of it
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the AMX kernel runs here (kernels/cpu/int4_amx.c: a CPU with AMX-BF16, the library
+    built for it, and the kernel's permission for the tiles' state granted to this process)."""
+    lib = cpu_attention.library()
+    return lib is not None and bool(lib.int4_amx_available())
+
+
+def amx_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> [N / 16, K / 32, 16, 16] uint8, the AMX kernel's layout: per block of
+    16 outputs and 32 inputs, line r's byte i holds lane i's code (low nibble) and lane 16 + i's,
+    lane 2c + j of line r being output c's input 2r + j (the tiles' pairs)."""
+    n, k = codes.shape
+    lanes = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    return (lanes[..., :16] | (lanes[..., 16:] << 4)).to(torch.uint8).contiguous()
+
+
+def matmul_amx(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] bf16 times w[n, k] = bf16((q - 8) * scale + zero) plus bias [N] fp32 -> y [M, N] bf16: the
+    dense bf16 matmul of those weights, summed in fp32 on AMX tiles. codes: `amx_codes`' layout;
+    scales_and_zeros: [K / 32, N, 2] bf16, contiguous (torch's int4 kernel's layout).
+    None where the kernel does not apply (not bf16 [M, K] on the CPU, K or N not a multiple of 32, or
+    no AMX)."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % AMX_PANEL == 0
+            and n % AMX_PANEL == 0 and amx_available()):
+        return None
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    threads = cpu_attention.threads_for(n, AMX_MIN_ROWS_PER_THREAD)
+    if cpu_attention.library().int4_amx_linear_threads(
+            x.data_ptr(), m, k, x.stride(0), codes.data_ptr(), scales_and_zeros.data_ptr(),
+            0 if bias is None else bias.data_ptr(), n, y.data_ptr(), n, threads):
+        raise MemoryError(f"no scratch for a {n} x {k} weight's AMX panel")
+    return y

@@ -1,0 +1,189 @@
+// 4-bit weights times bf16 inputs on AMX tiles (Intel Sapphire Rapids and later): y = x @ w^T, w the
+// dense bf16 weight the codes stand for, dequantized a panel of 32 output rows at a time in cache.
+//
+// Why: a bf16 decode step of 8-32 sequences is bound by reading its weights (oneDNN's dense bf16
+// matmul runs on AMX, but reads 2 bytes a weight: SmolLM2's 212 MB of projections a step, about 35 ms
+// on one core of a 2-core Xeon), and torch's int4 kernel reads a quarter of that but multiplies on
+// AVX-512 (at 32 rows it is compute-bound, slower than the dense matmul). Here the codes are read
+// (half a byte a weight and a bf16 scale and zero per group of 32), widened to bf16 in L2 and
+// multiplied on the tiles: the dense bf16 matmul's weights, bit for bit, from 5 bits a weight read, not 16.
+//
+// The weight w[n, k] = bf16(((q - 8) * scale + zero)) in fp32, multiply then add, each rounded (not an
+// fma): `Int4Linear.dequantized`'s arithmetic, so the tiles multiply exactly its dense copy's values;
+// only the order of the fp32 sums differs from oneDNN's. The codes come laid out for the tiles
+// (`int4_cpu.AmxForm`): for each block of 16 output rows and 32 inputs (one group each), 16 lines of
+// 16 bytes, one a row of the weight's tile (`dequantize_block`). Scales and zeros are read where
+// torch's int4 kernel reads them (`Int4Linear.scales_and_zeros`, [K / 32, N, 2] bf16): a block's 16
+// (scale, zero) pairs are 64 contiguous bytes.
+#define _GNU_SOURCE  // syscall(), for arch_prctl
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "threads.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#define PDSERVE_AMX 1
+#endif
+
+// 1 where this build has the kernel and the kernel lets the process use AMX's tile data (Linux asks
+// each process to request it: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), else 0.
+int int4_amx_available(void) {
+#ifdef PDSERVE_AMX
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return state;
+#else
+    return 0;
+#endif
+}
+
+#ifdef PDSERVE_AMX
+enum { PANEL = 32, BLOCK_BYTES = 256, TILE_ELEMS = 16 * 32 };
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+// Tiles: 0-3 accumulators C[row group][column half], 4-5 the inputs' row groups, 6-7 the weights' halves.
+static void configure(int rows0, int rows1) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// One block's 16 x 32 bf16 weights, in the tiles' pair layout, from its 256 bytes of codes and its
+// 16 (scale, zero) pairs. Line r's byte i holds lane i's code (low nibble) and lane 16 + i's (high) of
+// the tile's row r, lane 2c + j being output c's input 2r + j: each half of a line is then 16 lanes
+// of 8 outputs (their scales and zeros spread to pairs once a block), widened by one permute
+// (q - 8 looked up, exact) and rounded to bf16 by one convert. Explicitly rounded multiply and add:
+// never contracted to an fma.
+static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, uint16_t* out) {
+    const __m512i pairs = _mm512_loadu_si512(scale_zero);  // bf16 bits: scale low, zero high
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+    const __m512 scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
+    const __m512 zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
+    const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);  // q - 8
+    const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (int r = 0; r < 16; r++) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16 * r)));
+        __m512 lo = _mm512_permutexvar_ps(b, centred);  // the index's low 4 bits: the low nibble
+        __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), centred);
+        lo = _mm512_add_round_ps(_mm512_mul_round_ps(lo, scale_lo, round), zero_lo, round);
+        hi = _mm512_add_round_ps(_mm512_mul_round_ps(hi, scale_hi, round), zero_hi, round);
+        _mm512_storeu_si512(out + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// Rows [m0, m0 + rows) (rows <= 32) of y's columns [n, n + 32) from a dequantized panel.
+static void multiply_panel(const uint16_t* x, int64_t m0, int rows, int64_t kb, int64_t x_stride,
+                           const uint16_t* panel, const float* bias, int64_t n, float* acc, uint16_t* y,
+                           int64_t y_stride) {
+    const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint16_t* x0 = x + m0 * x_stride;
+    for (int64_t b = 0; b < kb; b++) {
+        _tile_loadd(6, panel + (2 * b) * TILE_ELEMS, 64);
+        _tile_loadd(7, panel + (2 * b + 1) * TILE_ELEMS, 64);
+        _tile_loadd(4, x0 + 32 * b, x_stride * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1) {
+            _tile_loadd(5, x0 + 16 * x_stride + 32 * b, x_stride * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+    if (rows1) {
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    }
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_loadu_ps(bias + n + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; i++) {
+        const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + 32 * i), b0);
+        const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + 32 * i + 16), b1);
+        _mm512_storeu_si512(y + (m0 + i) * y_stride + n, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// Output columns [n0, n1) (multiples of 32) of y [m, n] bf16 for x [m, k] bf16; 0, or -1 without scratch.
+static int int4_amx_linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                           const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
+                           uint16_t* y, int64_t y_stride) {
+    const int64_t kb = k / 32;
+    uint16_t* panel = aligned_alloc(64, (size_t)(kb * 2 * TILE_ELEMS * sizeof(uint16_t)));
+    float* acc = aligned_alloc(64, 32 * 32 * sizeof(float));
+    if (!panel || !acc) {
+        free(panel);
+        free(acc);
+        return -1;
+    }
+    int configured = -1;
+    for (int64_t col = n0; col < n1; col += PANEL) {
+        for (int64_t b = 0; b < kb; b++) {
+            for (int64_t half = 0; half < 2; half++) {
+                const int64_t block = (col / 16 + half) * kb + b;
+                dequantize_block(codes + block * BLOCK_BYTES, scale_zero + (b * n + col + 16 * half) * 2,
+                                 panel + (2 * b + half) * TILE_ELEMS);
+            }
+        }
+        for (int64_t m0 = 0; m0 < m; m0 += 32) {
+            const int rows = m - m0 < 32 ? (int)(m - m0) : 32;
+            if (rows != configured) {
+                configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0);
+                configured = rows;
+            }
+            multiply_panel(x, m0, rows, kb, x_stride, panel, bias, col, acc, y, y_stride);
+        }
+    }
+    _tile_release();
+    free(panel);
+    free(acc);
+    return 0;
+}
+#endif
+
+// x [m, k] bf16 (row stride x_stride), the codes and bf16 scales/zeros laid out as above for n output
+// rows (n and k multiples of 32), bias [n] fp32 or NULL -> y [m, n] bf16 (row stride y_stride); the
+// output rows split over `threads` in whole panels. 0, -1 without scratch, -2 without the kernel.
+int int4_amx_linear_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                            const uint16_t* scale_zero, const float* bias, int64_t n, uint16_t* y,
+                            int64_t y_stride, int64_t threads) {
+#ifdef PDSERVE_AMX
+    if (!int4_amx_available()) return -2;
+    int err = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : err) if (threads > 1)
+    for (int64_t p = 0; p < threads; p++) {
+        const int64_t n0 = part_start(n, p, threads, PANEL), n1 = part_start(n, p + 1, threads, PANEL);
+        if (n1 > n0) {
+            const int e = int4_amx_linear(x, m, k, x_stride, codes, scale_zero, bias, n, n0, n1, y, y_stride);
+            err = e < err ? e : err;
+        }
+    }
+    return err;
+#else
+    (void)x, (void)m, (void)k, (void)x_stride, (void)codes, (void)scale_zero, (void)bias, (void)n, (void)y;
+    (void)y_stride, (void)threads;
+    return -2;
+#endif
+}
