@@ -44,7 +44,7 @@ from contextlib import aclosing
 import grpc
 
 from pdserve.block_prefetch import BlockPrefetcher, answer_prepare
-from decode.write_back import BlockWriteBack
+from decode.write_back import BlockWriteBack, WriteBackQueue
 from pdserve.drain import HANDOVER_FLUSH_S, Drain, HandedOver
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
@@ -65,6 +65,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.write_back = config.kv_write_back if write_back is None else write_back
         interval = residency_interval_s or config.residency_interval_s
         self._tasks: set[asyncio.Task] = set()
+        self.write_queue = WriteBackQueue(worker, self._spawn)  # every request's written-back blocks
         self.drain = Drain(f"decode worker {worker.worker_id}")
         self._reporter = asyncio.get_running_loop().create_task(self._report_residency_forever(interval))
 
@@ -90,7 +91,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             hashes = list(request.block_hashes)
             tokens = prompt + [request.first_token]
         with self.drain.call():  # UNAVAILABLE at once while draining: the gateway goes elsewhere
-            writer = BlockWriteBack(self.worker, rid, tokens, self._spawn) if self.write_back else None
+            writer = BlockWriteBack(self.write_queue, rid, tokens) if self.write_back else None
             lease = RequestLease(self.worker, rid)  # ended once: when the KV is in our cache, or on leaving
             imported, handed_over = False, False
             try:
