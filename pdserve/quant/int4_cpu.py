@@ -211,7 +211,11 @@ class Int4Linear:
     `q8` (our C kernel's form, `Q8Form`) is kept for fp32 activations, which run on it, and for bf16
     ones with one plane in order, whose steps of fewer than BF16_Q8_BELOW_ROWS rows run on it (its
     bf16 entry point): a bf16 token's bits then depend on its step's row count, below 5, below 16
-    (torch's kernel) or not (dense), as they do by the dense threshold already."""
+    (torch's kernel) or not (dense), as they do by the dense threshold already.
+
+    `amx` (the AMX kernel's copy of the codes, `amx_runs`) replaces torch's packing on a CPU with
+    AMX-BF16: bf16 calls of 5 to AMX_BELOW_ROWS - 1 rows run on it (the dense copy's weights, only the
+    order of the fp32 sums differing), larger ones dense."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx")
@@ -419,9 +423,10 @@ class Int4Linear:
 
 def amx_runs(codes: Int4Codes) -> bool:
     """Whether a linear of these codes runs its bf16 calls on the AMX kernel (`AMX_BELOW_ROWS`): one
-    plane in order, both sizes multiples of its panel, a CPU with AMX-BF16."""
+    plane, both sizes multiples of its panel, a CPU with AMX-BF16. (A column permutation is applied to
+    the inputs before any kernel: the codes are in its order.)"""
     n, k = codes.codes.shape
-    return (codes.act_dtype == torch.bfloat16 and codes.planes == 1 and codes.perm is None
+    return (codes.act_dtype == torch.bfloat16 and codes.planes == 1
             and n % cpu_int4_matmul.AMX_PANEL == 0 and k % cpu_int4_matmul.AMX_PANEL == 0
             and cpu_int4_matmul.amx_available())
 
