@@ -15,7 +15,7 @@ import torch
 
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
-from pdserve.runtime.kernels import cpu_attention
+from pdserve.runtime.kernels import cpu_attention, cpu_int4_matmul
 from pdserve.runtime.kernels.cpu_decode_step import LOADED_OF_WINDOW, LOADED_STEPS, DecodeStepPlan, StepThreads
 from pdserve.runtime.sampling_params import SamplingParams
 
@@ -177,10 +177,10 @@ def test_the_bf16_one_call_step_equals_the_eager_step_bit_for_bit(smollm2_bf16, 
     assert torch.equal(one_call["kv"], eager["kv"])
 
 
-def test_a_bf16_step_of_five_sequences_runs_eagerly_on_torchs_kernel(smollm2_bf16, monkeypatch):
+def test_a_bf16_step_of_five_sequences_runs_eagerly_unless_the_cpu_has_amx(smollm2_bf16, monkeypatch):
     prompts = [smollm2_bf16.tokenizer.encode(f"Count to {i}.") for i in range(5)]
     trace = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 3, monkeypatch, one_call=True)
-    assert trace["c_steps"] == 0
+    assert trace["c_steps"] == (2 if cpu_int4_matmul.amx_available() else 0)  # the steps after the prompts
 
 
 def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypatch):
@@ -277,3 +277,24 @@ def test_a_slot_past_the_cache_is_an_index_error_before_anything_is_written(int4
     with pytest.raises(IndexError, match="past the cache"):
         plan.run(torch.zeros(1, 576), torch.tensor([0]), meta, cache)
     assert torch.equal(cache, before)
+
+
+@pytest.mark.skipif(not cpu_int4_matmul.amx_available(), reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("batch,threads", [(6, 1), (17, 2)])
+def test_a_bf16_step_of_more_sequences_runs_in_c_on_amx_with_the_eager_bits(smollm2_bf16, batch, threads,
+                                                                            monkeypatch):
+    """On a CPU with AMX-BF16 steps of 5 to AMX_BELOW_ROWS - 1 sequences run in C too, their projections
+    on the AMX kernel as the eager step's (split over two threads by 32-row panels; 17 sequences fill
+    the kernel's two row groups of tiles, the second partly)."""
+    prompts = [smollm2_bf16.tokenizer.encode(f"Tell me about the sea, number {i}." + " And the ships." * (i % 4))
+               for i in range(batch)]
+    with torch_threads(threads):
+        one_call = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 6, monkeypatch, one_call=True)
+        eager = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 6, monkeypatch, one_call=False)
+    assert one_call["c_steps"] == 5 and eager["c_steps"] == 0
+    assert one_call["tokens"] == eager["tokens"]
+    for a, b in zip(one_call["hidden"], eager["hidden"]):
+        assert torch.equal(a, b)
+    for a, b in zip(one_call["logits"], eager["logits"]):
+        assert torch.equal(a, b)
+    assert torch.equal(one_call["kv"], eager["kv"])

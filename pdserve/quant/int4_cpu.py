@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed, onednn_packed_f32
 from pdserve.runtime.kernels import cpu_int4_matmul
+from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS
 
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
 ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
@@ -59,12 +60,6 @@ DENSE_COPY_FROM_ROWS_TWO_PLANES = 8
 # SmolLM2 layers' projections at one thread (Xeon, AMX): 8 rows 29.8 -> 18.4 ms, 32 rows 28.5 -> 22.5,
 # 200 rows 61.1 -> 35.9; torch's int4 kernel takes 19.2 ms at 8 rows, 28.4 at 12: dense from 8 rows.
 DENSE_PACKED_FROM_ROWS = 8
-# bf16 calls of BF16_Q8_BELOW_ROWS up to this many rows run on the AMX kernel where the CPU has it
-# (cpu_int4_matmul.matmul_amx): it reads the 4-bit codes, not the dense copy's 2 bytes a weight. SmolLM2's
-# 30 layers' projections at one thread (Xeon with AMX, 2 cores): 17.8 / 14.8 / 18.7 / 23.8 ms at 8 / 16 /
-# 32 / 64 rows against the dense copy's 21.3 / 21.7 / 24.6 / 27.7 (oneDNN, also on AMX); from 128 rows the
-# dense copy wins (34.0 against 39.8 ms): prompts stay on it.
-AMX_BELOW_ROWS = 96
 
 # Prompt rows' dense matmul in fp32 (Int4Linear._dense_row_invariant): oneDNN's, at least this many
 # rows (fewer take another kernel); without oneDNN, MKL's in chunks of exactly PROMPT_GEMM_ROWS rows.

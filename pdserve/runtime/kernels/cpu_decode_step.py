@@ -11,7 +11,9 @@ one thread (`StepThreads`). `DecodeStepPlan.of` returns None for a model it does
 cover: a projection that is not 4-bit on our kernel (`Int4Linear.q8`), a column permutation,
 tensor parallelism, shapes past the attention's buffers. fp32 models run every decode-only step of
 generated tokens here; bf16 ones (a bf16 cache) those of fewer than BF16_Q8_BELOW_ROWS sequences,
-whose projections the eager step also runs on our kernel (larger ones take torch's matmuls).
+whose projections the eager step also runs on our kernel (larger ones take torch's matmuls), and on
+a CPU with AMX-BF16 those of fewer than AMX_BELOW_ROWS, whose projections the eager step runs on the
+AMX kernel (int4_amx.c) and SiLU in C.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.kernels import cpu_attention
-from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS
+from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS, BF16_Q8_BELOW_ROWS
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # After a step whose threads mostly slept at its barriers (another process, such as the prefill
@@ -67,7 +69,7 @@ class StepThreads:
 
 class _Int4Weights(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("mins", _P), ("bias", _P), ("out_features", _I), ("in_features", _I),
-                ("exact", _I)]
+                ("exact", _I), ("amx_codes", _P), ("amx_scale_zero", _P)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -80,7 +82,7 @@ class _DecodeStep(ctypes.Structure):
                 ("intermediate", _I), ("num_layers", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
                 ("cache_blocks", _I), ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
-                ("context_lens", _P), ("final_norm", _P), ("bf16", _I)]
+                ("context_lens", _P), ("final_norm", _P), ("bf16", _I), ("amx_from_rows", _I)]
 
 
 def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
@@ -91,8 +93,9 @@ def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
         return None
     q8 = linear.q8
     bias = 0 if q8.bias is None else q8.bias.data_ptr()
+    amx = (0, 0) if linear.amx is None else (linear.amx.data_ptr(), linear.scales_and_zeros.data_ptr())
     return _Int4Weights(q8.nibbles.data_ptr(), q8.scale.data_ptr(), q8.mins.data_ptr(), bias,
-                        linear.out_features, linear.in_features, int(q8.exact))
+                        linear.out_features, linear.in_features, int(q8.exact), *amx)
 
 
 def _norm_ptr(weight: torch.Tensor, dtype: torch.dtype) -> int | None:
@@ -109,6 +112,9 @@ class DecodeStepPlan:
     layers: ctypes.Array
     dtype: torch.dtype  # activations, norms and KV cache: fp32 or bf16
     threads: StepThreads = field(default_factory=StepThreads)
+    # bf16: every projection has the AMX kernel's codes (Int4Linear.amx), so steps of BF16_Q8_BELOW_ROWS
+    # to AMX_BELOW_ROWS - 1 sequences run here too, their projections on it as the eager step's do
+    amx: bool = False
 
     @classmethod
     def of(cls, model) -> DecodeStepPlan | None:
@@ -136,7 +142,8 @@ class DecodeStepPlan:
             if shapes != [(width, d), (d, c.num_heads * c.head_dim), (2 * inter, d), (d, inter)]:
                 return None
             layers[i] = _LayerWeights(*norms, *weights)
-        return cls(model, tuple(model.layers), layers, dtype, StepThreads(getattr(model, "step_threads", 0)))
+        amx = all(w.amx_codes for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return cls(model, tuple(model.layers), layers, dtype, StepThreads(getattr(model, "step_threads", 0)), amx)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether the step of `meta` runs here: decode tokens only, a cache and activations of the
@@ -148,7 +155,7 @@ class DecodeStepPlan:
                 or not all(a is b for a, b in zip(self.model.layers, self.planned))):  # none replaced since
             return False
         if self.dtype == torch.bfloat16:
-            return hidden.shape[0] < BF16_Q8_BELOW_ROWS
+            return hidden.shape[0] < (AMX_BELOW_ROWS if self.amx else BF16_Q8_BELOW_ROWS)
         return meta.generated_rows is not None and bool(meta.generated_rows.all())
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -166,7 +173,7 @@ class DecodeStepPlan:
                            ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.shape[0], pos.data_ptr(), slots.data_ptr(),
                            kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
                            tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
-                           int(self.dtype == torch.bfloat16))
+                           int(self.dtype == torch.bfloat16), BF16_Q8_BELOW_ROWS if self.amx else 0)
         loaded = ctypes.c_int64(0)
         err = cpu_attention.library().decode_step(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), self.threads.next(), ctypes.byref(loaded))

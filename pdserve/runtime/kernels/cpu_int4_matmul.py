@@ -137,6 +137,13 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
                              (codes.data_ptr(), scale.data_ptr()))
 
 
+# bf16 calls of BF16_Q8_BELOW_ROWS up to this many rows run on the AMX kernel where the CPU has it
+# (`matmul_amx`, Int4Linear): it reads the 4-bit codes, not the dense copy's 2 bytes a weight. SmolLM2's
+# 30 layers' projections at one thread (Xeon with AMX, 2 cores): 17.8 / 14.8 / 18.7 / 23.8 ms at 8 / 16 /
+# 32 / 64 rows against the dense copy's 21.3 / 21.7 / 24.6 / 27.7 (oneDNN, also on AMX); from 128 rows the
+# dense copy wins (34.0 against 39.8 ms): prompts stay on it. Decode-only steps of fewer rows run whole
+# in one C call there (cpu_decode_step), and their SiLU in C (cpu_layer_ops), eager or not.
+AMX_BELOW_ROWS = 96
 # Output rows a thread takes at least on the AMX kernel (whole panels of 32 below it cost more to hand off).
 AMX_MIN_ROWS_PER_THREAD = 128
 AMX_PANEL = 32  # output rows a panel (int4_amx.c): n and k must be multiples of it

@@ -9,8 +9,9 @@ returns None where it does not apply (not fp32 / bf16 on the CPU, a layout it do
 the caller runs torch's path, the reference (torch_ops). bf16 rows are rounded where torch's path
 rounds them (RoPE: the same bits; RMSNorm: at most one bf16 ulp apart, rarely): a bf16 decode step of
 one sequence spent about 2 of its 14 ms in torch's versions of these. bf16 SiLU is C's only in steps
-of fewer than BF16_Q8_BELOW_ROWS rows (those the one-call step runs): torch's vectorized exp is
-faster on many rows (37 against 65 us at 32 rows), and may differ from ours in an fp32 last bit.
+of fewer than BF16_Q8_BELOW_ROWS rows, or AMX_BELOW_ROWS on a CPU with AMX-BF16 (those the one-call
+step runs): torch's vectorized exp is faster on many rows (37 against 65 us at 32 rows), and may
+differ from ours in an fp32 last bit, so the eager step takes ours wherever the one-call step could.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.runtime.kernels import cpu_attention
-from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS
+from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS, BF16_Q8_BELOW_ROWS, amx_available
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -67,7 +68,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up: [N, 2 I] (gate first) -> silu(gate) * up [N, I]. None where it does not apply."""
     lib, dt = cpu_attention.library(), gate_up.dtype
-    small_bf16 = dt == torch.bfloat16 and gate_up.shape[0] < BF16_Q8_BELOW_ROWS
+    rows = gate_up.shape[0]
+    small_bf16 = dt == torch.bfloat16 and (rows < BF16_Q8_BELOW_ROWS or rows < AMX_BELOW_ROWS and amx_available())
     if lib is None or gate_up.dim() != 2 or not (dt == torch.float32 or small_bf16) or not _c_rows(gate_up, dt):
         return None
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2

@@ -63,6 +63,9 @@ int paged_attention_bf16_bf16_units(const uint16_t* q, uint16_t* out, float* sco
 int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride);
+int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                         const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
+                         uint16_t* y, int64_t y_stride);
 
 // One projection: w[n, k] = q[n, k] * scale[n, k / 32] + mins[n, k / 32] (+ bias[n]; NULL: none).
 typedef struct {
@@ -72,6 +75,8 @@ typedef struct {
     const float* bias;     // [out] or NULL
     int64_t out_features, in_features;
     int64_t exact;  // fp32 steps: 1 the inputs as they are (int4_linear_exact_f32), 0 quantized to int8
+    const uint8_t* amx_codes;        // bf16 steps of DecodeStep.amx_from_rows rows or more: int4_amx.c's
+    const uint16_t* amx_scale_zero;  // layout of the same codes and their [in / 32, out, 2] bf16 scales; or NULL
 } Int4Weights;
 
 typedef struct {
@@ -95,6 +100,7 @@ typedef struct {
     const int64_t* context_lens;  // [B], this token included
     const void* final_norm;       // [D]
     int64_t bf16;                 // activations, norms and cache: 1 bf16, 0 fp32
+    int64_t amx_from_rows;        // bf16 steps of this many rows or more: projections on AMX (0: never)
 } DecodeStep;
 
 // Scratch of one step, one allocation: activations in the step's dtype (es bytes each), fp32 scores.
@@ -257,10 +263,18 @@ static void attention_part(const DecodeStep* s, const Scratch* b, int64_t l, int
                                       block_stride, k_offset, v_offset, t_pad, u0, u1);
 }
 
-// A projection's output rows split over the team (aligned to the kernel's 2-row tiles).
+// A projection's output rows split over the team (aligned to the kernel's 2-row tiles, or the AMX
+// kernel's 32-row panels: the eager step's kernel for the same row count, Int4Linear.__call__).
 static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int id,
                         int parts) {
     int64_t n0, n1;
+    if (s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows) {
+        share(w->out_features, id, parts, 32, &n0, &n1);
+        if (n1 > n0)
+            int4_amx_linear_part((const uint16_t*)x, m, w->in_features, w->in_features, w->amx_codes,
+                                 w->amx_scale_zero, w->bias, w->out_features, n0, n1, (uint16_t*)y, w->out_features);
+        return;
+    }
     share(w->out_features, id, parts, 2, &n0, &n1);
     if (n1 <= n0) return;
     if (s->bf16)

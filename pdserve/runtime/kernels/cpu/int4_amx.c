@@ -127,7 +127,8 @@ static void multiply_panel(const uint16_t* x, int64_t m0, int rows, int64_t kb, 
 }
 
 // Output columns [n0, n1) (multiples of 32) of y [m, n] bf16 for x [m, k] bf16; 0, or -1 without scratch.
-static int int4_amx_linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+// Also one member's part of the one-call decode step's projections (decode_step.c).
+int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                            const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
                            uint16_t* y, int64_t y_stride) {
     const int64_t kb = k / 32;
@@ -161,6 +162,14 @@ static int int4_amx_linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_st
     free(acc);
     return 0;
 }
+#else
+int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                         const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
+                         uint16_t* y, int64_t y_stride) {
+    (void)x, (void)m, (void)k, (void)x_stride, (void)codes, (void)scale_zero, (void)bias, (void)n, (void)n0;
+    (void)n1, (void)y, (void)y_stride;
+    return -2;
+}
 #endif
 
 // x [m, k] bf16 (row stride x_stride), the codes and bf16 scales/zeros laid out as above for n output
@@ -176,7 +185,7 @@ int int4_amx_linear_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_s
     for (int64_t p = 0; p < threads; p++) {
         const int64_t n0 = part_start(n, p, threads, PANEL), n1 = part_start(n, p + 1, threads, PANEL);
         if (n1 > n0) {
-            const int e = int4_amx_linear(x, m, k, x_stride, codes, scale_zero, bias, n, n0, n1, y, y_stride);
+            const int e = int4_amx_linear_part(x, m, k, x_stride, codes, scale_zero, bias, n, n0, n1, y, y_stride);
             err = e < err ? e : err;
         }
     }
