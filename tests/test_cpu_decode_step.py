@@ -86,6 +86,18 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
             "c_steps": runs[0], "mixed_steps": mixed[0]}
 
 
+def _assert_same_bits(one_call: dict, eager: dict) -> None:
+    """Two `_decode_trace`s gave the same tokens, and every step's hidden states, logits and the KV
+    cache bit for bit."""
+    assert one_call["tokens"] == eager["tokens"]
+    assert len(one_call["hidden"]) == len(eager["hidden"])
+    for a, b in zip(one_call["hidden"], eager["hidden"]):
+        assert torch.equal(a, b)
+    for a, b in zip(one_call["logits"], eager["logits"]):
+        assert torch.equal(a, b)
+    assert torch.equal(one_call["kv"], eager["kv"])
+
+
 # Several int4-exact sequences on two threads: the mixed-step test below (4 sequences, 2 threads).
 @pytest.mark.parametrize("batch,threads,weight_format", [(1, 1, "int4"), (5, 1, "int4"), (5, 2, "int4"),
                                                          (1, 2, "int4-exact")])
@@ -102,13 +114,7 @@ def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, thr
         eager = _decode_trace(_int4_engine(smollm2, weight_format=weight_format), prompts, 12, monkeypatch,
                               one_call=False)
     assert one_call["c_steps"] == 11 and eager["c_steps"] == 0  # every step after the prompts' one
-    assert one_call["tokens"] == eager["tokens"]
-    assert len(one_call["hidden"]) == len(eager["hidden"])
-    for a, b in zip(one_call["hidden"], eager["hidden"]):
-        assert torch.equal(a, b)
-    for a, b in zip(one_call["logits"], eager["logits"]):
-        assert torch.equal(a, b)
-    assert torch.equal(one_call["kv"], eager["kv"])
+    _assert_same_bits(one_call, eager)
 
 
 def test_a_step_that_admits_a_prompt_runs_its_decodes_in_c_with_the_eager_bits(smollm2, monkeypatch):
@@ -123,12 +129,7 @@ def test_a_step_that_admits_a_prompt_runs_its_decodes_in_c_with_the_eager_bits(s
                               one_call=False, arrive_every=3)
     assert one_call["mixed_steps"] == 3 and eager["c_steps"] == 0
     assert one_call["c_steps"] == len(one_call["hidden"]) - 1  # every step but the first prompt's alone
-    assert one_call["tokens"] == eager["tokens"]
-    for a, b in zip(one_call["hidden"], eager["hidden"]):
-        assert torch.equal(a, b)
-    for a, b in zip(one_call["logits"], eager["logits"]):
-        assert torch.equal(a, b)
-    assert torch.equal(one_call["kv"], eager["kv"])
+    _assert_same_bits(one_call, eager)
 
 
 def test_a_step_splits_into_its_generated_decodes_and_the_rest():
@@ -169,12 +170,8 @@ def test_the_bf16_one_call_step_equals_the_eager_step_bit_for_bit(smollm2_bf16, 
         one_call = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 12, monkeypatch, one_call=True)
         eager = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 12, monkeypatch, one_call=False)
     assert one_call["c_steps"] == 11 and eager["c_steps"] == 0
-    assert one_call["tokens"] == eager["tokens"]
-    for a, b in zip(one_call["hidden"], eager["hidden"]):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
-    for a, b in zip(one_call["logits"], eager["logits"]):
-        assert torch.equal(a, b)
-    assert torch.equal(one_call["kv"], eager["kv"])
+    assert all(a.dtype == torch.bfloat16 for a in one_call["hidden"])
+    _assert_same_bits(one_call, eager)
 
 
 def test_a_bf16_step_of_five_sequences_runs_eagerly_unless_the_cpu_has_amx(smollm2_bf16, monkeypatch):
@@ -292,9 +289,4 @@ def test_a_bf16_step_of_more_sequences_runs_in_c_on_amx_with_the_eager_bits(smol
         one_call = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 6, monkeypatch, one_call=True)
         eager = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 6, monkeypatch, one_call=False)
     assert one_call["c_steps"] == 5 and eager["c_steps"] == 0
-    assert one_call["tokens"] == eager["tokens"]
-    for a, b in zip(one_call["hidden"], eager["hidden"]):
-        assert torch.equal(a, b)
-    for a, b in zip(one_call["logits"], eager["logits"]):
-        assert torch.equal(a, b)
-    assert torch.equal(one_call["kv"], eager["kv"])
+    _assert_same_bits(one_call, eager)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.int4_cpu import AMX_BELOW_ROWS, Int4Linear, quantize_rtn
+from pdserve.quant.int4_cpu import AMX_BELOW_ROWS, Int4Linear
+from pdserve.quant.int4_codes import quantize_rtn
 from pdserve.runtime.kernels import cpu_int4_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_int4_matmul.amx_available(), reason="needs a CPU with AMX-BF16")

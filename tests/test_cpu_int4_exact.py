@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.quant.int4_cpu import Int4Codes, Int4Linear, weights_for
+from pdserve.quant.int4_cpu import Int4Linear
+from pdserve.quant.int4_codes import Int4Codes, weights_for
 from pdserve.quant.q8_head import Q8Head, pack_head
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.kernels import cpu_int4_matmul as kernel

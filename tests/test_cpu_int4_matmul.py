@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
-from pdserve.quant.int4_cpu import Int4Codes, Int4Linear, quantize_rtn, weights_for
+from pdserve.quant.int4_cpu import Int4Linear
+from pdserve.quant.int4_codes import Int4Codes, quantize_rtn, weights_for
 from pdserve.quant.q8_head import Q8Head
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
 from pdserve.runtime.kernels import cpu_int4_matmul as kernel

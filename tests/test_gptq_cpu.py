@@ -17,7 +17,8 @@ from pdserve.cli import build_parser
 from pdserve.quant.checkpoint import write_gguf_tokenizer
 from pdserve.quant.gptq_cpu import int4_codes, layout_problem
 from pdserve.quant.gptq_format import QuantizedWeight
-from pdserve.quant.int4_cpu import Int4Linear, permute_columns, weights_for
+from pdserve.quant.int4_cpu import Int4Linear, permute_columns
+from pdserve.quant.int4_codes import weights_for
 from pdserve.runtime.kernels import cpu_int4_matmul
 from pdserve.quant.linear import ConcatLinear, QuantLinear, fused_linear
 from pdserve.quant.quantizer import QuantResult, rtn_quantize

@@ -13,8 +13,8 @@ from gguf.quants import dequantize, quantize
 
 from conftest import STORIES_GGUF
 from pdserve.quant.int4_cpu import (DENSE_COPY_FROM_ROWS, DENSE_COPY_FROM_ROWS_TWO_PLANES, DENSE_PACKED_FROM_ROWS,
-                                    Int4Linear, linear_packed, onednn_packed,
-                                    codes_of_gguf_blocks, quantize_rtn, weights_for)
+                                    Int4Linear, linear_packed, onednn_packed)
+from pdserve.quant.int4_codes import codes_of_gguf_blocks, quantize_rtn, weights_for
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
 from pdserve.runtime.kernels import cpu_int4_matmul
 from pdserve.runtime.engine import Engine

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from pdserve.quant.int4_cpu import weights_for
+from pdserve.quant.int4_codes import weights_for
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kv_cache import allocate_kv_cache
 from pdserve.runtime.parallel import follower

@@ -141,7 +141,7 @@ def gguf_as(type_name: str) -> Maker:
 
 def gguf_q4_codes(ctx: RowContext, key: str) -> tuple[Path, float]:
     """The source itself, when its projections are Q4_0/Q4_1 (what `--weight-format int4` serves as they are)."""
-    from pdserve.quant.int4_cpu import read_gguf_codes
+    from pdserve.quant.int4_codes import read_gguf_codes
 
     fp32 = ctx.fp32
     if fp32.source.suffix != ".gguf":

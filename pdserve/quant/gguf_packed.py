@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pdserve.quant.gptq_cpu import gptq_weights, has_gptq_weights
-from pdserve.quant.int4_cpu import GROUP, Int4Codes, pack_weights
+from pdserve.quant.int4_codes import GROUP, Int4Codes, pack_weights
 from pdserve.runtime.config import FOUR_BIT_FORMATS
 from pdserve.runtime.kernels import cpu_int4_matmul
 

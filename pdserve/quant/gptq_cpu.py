@@ -27,7 +27,7 @@ zeros (|136 - z| up to 135) round by up to about half a step in bf16, as large a
 product's rounding of the group's largest weights; symmetric ones (z = 128: zero 8 s) are exact.
 
 A layout the kernel cannot take (groups that are not whole runs of 32 inputs, e.g. group size 48;
-inputs not a multiple of 32, outputs not one of 16: `int4_cpu.shape_problem`) stays a QuantLinear, with a log line; `--weight-format int4`
+inputs not a multiple of 32, outputs not one of 16: `int4_codes.shape_problem`) stays a QuantLinear, with a log line; `--weight-format int4`
 (every projection 4-bit) re-quantizes such weights, and 8-bit ones, by round-to-nearest over
 groups of 32 as it does a GGUF's non-4-bit tensors, and refuses shapes the kernel cannot take.
 """
@@ -40,7 +40,7 @@ from dataclasses import replace
 import torch
 
 from pdserve.quant.gptq_format import QuantizedWeight
-from pdserve.quant.int4_cpu import GROUP, Int4Codes, quantize_rtn, shape_problem
+from pdserve.quant.int4_codes import GROUP, Int4Codes, quantize_rtn, shape_problem
 
 log = logging.getLogger(__name__)
 

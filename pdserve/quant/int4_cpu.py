@@ -28,19 +28,16 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pdserve.quant.int4_codes import GROUP, Int4Codes
 from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed, onednn_packed_f32
 from pdserve.runtime.kernels import cpu_int4_matmul
 from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS
 
-GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
-ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 # From this many rows on (a prefill chunk), dequantizing the weight and running a dense matmul beats
 # the kernel, whose cost grows with every row (0.042 ms per row and SmolLM2 layer at 2 threads; two
 # planes, 8-bit codes: 0.085), while dequantizing in place then multiplying costs 3.0 ms + 0.017 per
@@ -95,89 +92,6 @@ def token_kinds(rows: RowKinds | None) -> Iterator[None]:
         yield
     finally:
         _generated_rows.reset(token)
-
-
-def shape_problem(out_features: int, in_features: int) -> str | None:
-    """Why a weight [out, in] cannot be the kernel's (torch's packing and GROUP), or None."""
-    if in_features % GROUP:
-        return f"{in_features} inputs, not a multiple of {GROUP}"
-    if out_features % ROW_MULTIPLE:
-        return f"{out_features} outputs, not a multiple of {ROW_MULTIPLE}"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class Int4Codes:
-    """A weight [N, K] as 4-bit codes in `planes` planes side by side along the inputs:
-    w[n, perm[k]] = sum_p (codes[n, pK + k] - 8) * scale[n, g_p] + zero[n, g_p], g_p = (pK + k) // 32.
-
-    `perm` (None: the identity) is the input column each code column stands for: an act-order GPTQ
-    weight's groups are scattered over the inputs, and sorting the columns by group makes each a
-    run of whole 32-column groups; the layer then multiplies x[:, perm]."""
-
-    codes: torch.Tensor  # [N, planes * K] uint8 in [0, 15]
-    scale: torch.Tensor  # [N, planes * K / 32] float32
-    zero: torch.Tensor  # [N, planes * K / 32] float32
-    act_dtype: torch.dtype = torch.bfloat16  # what the layer multiplies them with
-    planes: int = 1  # 2: 8-bit codes u = 16 h + l as a high plane [h] and a low one [l]
-    perm: torch.Tensor | None = None  # [K] int64: input column of each code column (None: in order)
-    # True: the layer never quantizes its inputs to int8 (fp32: the W4A32 kernel, `matmul_exact`;
-    # bf16: no few-row int8 path); False: fp32 inputs go to int8 per group, as llama.cpp's Q4 x Q8_1.
-    exact_inputs: bool = False
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.codes.shape[0], self.codes.shape[1] // self.planes))
-
-    def to(self, device: str | torch.device) -> Int4Codes:
-        if torch.device(device).type != "cpu":
-            raise ValueError("int4 packed weights run on the CPU only")
-        return self
-
-    def dequantize(self) -> torch.Tensor:
-        """[N, K] float32, the inputs in their order (`perm` undone)."""
-        n, pk = self.codes.shape
-        groups = (self.codes.float() - 8).view(n, pk // GROUP, GROUP)
-        w = (groups * self.scale[..., None] + self.zero[..., None]).view(n, self.planes, pk // self.planes)
-        w = w[:, 0] if self.planes == 1 else w.sum(dim=1)
-        if self.perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.perm] = w
-        return out
-
-    def rows(self, order: torch.Tensor) -> Int4Codes:
-        """The same weight with its output rows reordered (`order`: [N] row indices)."""
-        return replace(self, codes=self.codes[order], scale=self.scale[order], zero=self.zero[order])
-
-    def for_dtype(self, dtype: torch.dtype, exact_inputs: bool = False) -> Int4Codes:
-        return replace(self, act_dtype=dtype, exact_inputs=exact_inputs)
-
-
-def quantize_rtn(weight: torch.Tensor) -> Int4Codes:
-    """Round-to-nearest 4-bit codes of a float weight [N, K] (K a multiple of 32), asymmetric per
-    group of 32: the group's min and max are exact, the rest within half a step."""
-    n, k = weight.shape
-    groups = weight.float().view(n, k // GROUP, GROUP)
-    lo, hi = groups.amin(-1), groups.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    codes = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-    return Int4Codes(codes.view(n, k), scale, lo + 8 * scale)
-
-
-def codes_of_gguf_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> Int4Codes | None:
-    """The 4-bit codes of a Q4_0 / Q4_1 / Q4_K tensor from its raw blocks (None for any other type)."""
-    from pdserve.quant.gguf_packed import FOUR_BIT_TYPES, int4_codes, parse_blocks
-
-    return int4_codes(parse_blocks(raw, ggml_type, shape)) if ggml_type in FOUR_BIT_TYPES else None
-
-
-def read_gguf_codes(path: Path, names: dict[str, str]) -> dict[str, Int4Codes]:
-    """{HF name: codes} of the tensors of `names` ({GGUF name: HF name}) that are 4-bit in the file
-    (Q4_0 / Q4_1 / Q4_K); the rows are as the file stores them (undo llama.cpp's Q/K permutation after)."""
-    from pdserve.quant.gguf_packed import int4_codes, read_packed
-
-    return {n: int4_codes(c) for n, c in read_packed(path, names)[0].items() if c.bits == 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,13 +195,19 @@ class Int4Linear:
                 return y
         if self.amx is not None:  # no torch packing: AMX below AMX_BELOW_ROWS, dense from it
             y = None if x.shape[0] >= AMX_BELOW_ROWS else cpu_int4_matmul.matmul_amx(
-                x, self.amx, self.scales_and_zeros, self.out_features, None if self.bias is None else self.bias.float())
+                x, self.amx, self.scales_and_zeros, self.out_features, self._bias_f32())
             return self._dense(x) if y is None else y
         if x.shape[0] >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
+
+    def _bias_f32(self) -> torch.Tensor | None:
+        """[N] fp32: the Q8 form's where there is one (made at load), else converted for this call."""
+        if self.q8 is not None or self.bias is None:
+            return None if self.q8 is None else self.q8.bias
+        return self.bias.float()
 
     def _fp32(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32: generated tokens' rows on the C kernel, prompt tokens' dense (`token_kinds`)."""
@@ -474,41 +394,3 @@ def unpack_kernel_nibbles(v: torch.Tensor, lo: torch.Tensor | None = None, hi: t
     lo = v & 0x0F if lo is None else lo
     hi = v >> 4 if hi is None else hi
     return torch.stack([lo, hi], dim=1).transpose(2, 3)
-
-
-def weights_for(checkpoint, config) -> tuple[dict[str, torch.Tensor | Int4Codes], str]:
-    """(the weights an engine of `config` runs on `checkpoint`, "dense", "int4" or "packed"):
-    --weight-format resolved by pdserve.quant.gguf_packed.weights_for."""
-    from pdserve.quant.gguf_packed import weights_for as resolve
-
-    return resolve(checkpoint, config)
-
-
-def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtype,
-                 from_file: dict[str, Int4Codes] | None = None,
-                 rtn_others: bool = True, exact_inputs: bool = False) -> dict[str, torch.Tensor | Int4Codes]:
-    """`weights` with every projection (config.arch.projection_names) as 4-bit codes for `act_dtype`:
-    the file's own (`from_file`, read from the GGUF: rows put back in HF order here, as the reader
-    does) where it has them, round-to-nearest of the float weight otherwise (or, `rtn_others`
-    False, the float weight as it is). Norms, embeddings and the output head stay as they are."""
-    from pdserve.runtime.gguf_reader import unpermute_rope_rows
-
-    arch = config.arch
-    projections = arch.projection_names(config)
-    replaced = set(projections)
-    # Not dict(weights): a lazily loaded projection that the codes replace is never read (lazy_weights).
-    out: dict[str, torch.Tensor | Int4Codes] = {n: weights[n] for n in weights if n not in replaced}
-    for name in projections:
-        codes = (from_file or {}).get(name)
-        if codes is None:
-            if not rtn_others:
-                out[name] = weights[name]  # the float weight as loaded
-                continue
-            codes = quantize_rtn(weights[name])
-        else:
-            heads = arch.gguf_permuted_heads(name, config)
-            if heads is not None:
-                order = unpermute_rope_rows(torch.arange(codes.shape[0])[:, None], heads)[:, 0]
-                codes = codes.rows(order)
-        out[name] = codes.for_dtype(act_dtype, exact_inputs)
-    return out

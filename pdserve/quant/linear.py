@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.quant.gptq_format import QuantizedWeight
-from pdserve.quant.int4_cpu import Int4Codes, Int4Linear, same_inputs
+from pdserve.quant.int4_cpu import Int4Linear, same_inputs
+from pdserve.quant.int4_codes import Int4Codes
 from pdserve.quant.int8_act import Int8ActWeight, W8A8Linear, fusable
 from pdserve.quant.packing import per_word
 

@@ -158,7 +158,7 @@ class Engine:
     def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None, fingerprint: str | None = None,
                         speculative: SpeculativeConfig | None = None) -> "Engine":
         """An engine on `checkpoint`'s weights, its projections packed as `config.weight_format` says."""
-        from pdserve.quant.int4_cpu import weights_for
+        from pdserve.quant.int4_codes import weights_for
         from pdserve.quant.q8_head import pack_head
 
         config = config or EngineConfig()

@@ -60,7 +60,7 @@ def spec_from_json(data: bytes) -> RankSpec:
 def load_shard(spec: RankSpec) -> tuple[TensorParallelModel | StageModel, torch.Tensor, TPGroup]:
     """Loads the checkpoint, joins the group, keeps this rank's shard (its heads, or its stage's
     layers) and allocates its KV cache."""
-    from pdserve.quant.int4_cpu import weights_for
+    from pdserve.quant.int4_codes import weights_for
     from pdserve.runtime.kv_cache import allocate_kv_cache
     from pdserve.runtime.loader import load_checkpoint
 

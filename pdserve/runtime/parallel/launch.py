@@ -188,7 +188,7 @@ def tensor_parallel_engine(model_path, engine_config: EngineConfig, parallel: Pa
     `threads`: torch CPU threads of every rank, this process's included (0: the cores / ranks);
     with `parallel.pipeline_parallel_size` M > 1 the ranks are M pipeline stages instead;
     `engine_kwargs` go to Engine.from_checkpoint."""
-    from pdserve.quant.int4_cpu import weights_for
+    from pdserve.quant.int4_codes import weights_for
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import inspect_checkpoint, load_checkpoint
 

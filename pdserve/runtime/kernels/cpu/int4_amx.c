@@ -180,16 +180,8 @@ int int4_amx_linear_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_s
                             int64_t y_stride, int64_t threads) {
 #ifdef PDSERVE_AMX
     if (!int4_amx_available()) return -2;
-    int err = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(min : err) if (threads > 1)
-    for (int64_t p = 0; p < threads; p++) {
-        const int64_t n0 = part_start(n, p, threads, PANEL), n1 = part_start(n, p + 1, threads, PANEL);
-        if (n1 > n0) {
-            const int e = int4_amx_linear_part(x, m, k, x_stride, codes, scale_zero, bias, n, n0, n1, y, y_stride);
-            err = e < err ? e : err;
-        }
-    }
-    return err;
+    LINEAR_THREADS_ALIGNED(PANEL, int4_amx_linear_part(x, m, k, x_stride, codes, scale_zero, bias, n, n0, n1, y,
+                                                       y_stride))
 #else
     (void)x, (void)m, (void)k, (void)x_stride, (void)codes, (void)scale_zero, (void)bias, (void)n, (void)y;
     (void)y_stride, (void)threads;

@@ -16,14 +16,16 @@ static inline int64_t part_start(int64_t total, int64_t part, int64_t parts, int
     return part >= parts ? total : total * part / parts / align * align;
 }
 
-// The body of a `<linear>_threads` entry point (int4_matmul.c, bf16_matmul.c): output rows [0, n) in
-// `threads` parts of whole pairs of rows, each part quantizing the inputs itself (one call a part,
-// nothing shared). CALL uses n0, n1; a part returns 0 or a negative code, and the lowest is returned.
-#define LINEAR_THREADS(CALL)                                                                                  \
+// The body of a `<linear>_threads` entry point (int4_matmul.c, bf16_matmul.c, int4_amx.c): output rows
+// [0, n) in `threads` parts of whole multiples of ALIGN rows (the kernel's tile: 2, or an AMX panel's
+// 32), each part quantizing or widening its inputs itself (one call a part, nothing shared). CALL uses
+// n0, n1; a part returns 0 or a negative code, and the lowest is returned.
+#define LINEAR_THREADS(CALL) LINEAR_THREADS_ALIGNED(2, CALL)
+#define LINEAR_THREADS_ALIGNED(ALIGN, CALL)                                                                   \
     int err = 0;                                                                                              \
     _Pragma("omp parallel for num_threads(threads) schedule(static) reduction(min:err) if(threads > 1)")      \
     for (int64_t p = 0; p < threads; p++) {                                                                   \
-        const int64_t n0 = part_start(n, p, threads, 2), n1 = part_start(n, p + 1, threads, 2);               \
+        const int64_t n0 = part_start(n, p, threads, ALIGN), n1 = part_start(n, p + 1, threads, ALIGN);       \
         if (n1 > n0) {                                                                                        \
             const int e = CALL;                                                                               \
             err = e < err ? e : err;                                                                          \
