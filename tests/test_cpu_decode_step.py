@@ -99,8 +99,10 @@ def _assert_same_bits(one_call: dict, eager: dict) -> None:
 
 
 # Several int4-exact sequences on two threads: the mixed-step test below (4 sequences, 2 threads).
+# 9 sequences on two threads: steps of FINE_FROM_ROWS (8) or more take each phase in chunks, each
+# taken by whichever thread asks first (decode_step.c's take_items).
 @pytest.mark.parametrize("batch,threads,weight_format", [(1, 1, "int4"), (5, 1, "int4"), (5, 2, "int4"),
-                                                         (1, 2, "int4-exact")])
+                                                         (9, 2, "int4"), (1, 2, "int4-exact")])
 def test_the_one_call_step_equals_the_eager_step_bit_for_bit(smollm2, batch, threads, weight_format, monkeypatch):
     """On the same thread count (the prompts' dense GEMM rounds by it), decode steps in C and the eager
     layers, each on an engine of its own (the same blocks, no prefix cached from the other). Prompts of
@@ -180,11 +182,13 @@ def test_a_bf16_step_of_five_sequences_runs_eagerly_unless_the_cpu_has_amx(smoll
     assert trace["c_steps"] == (2 if cpu_int4_matmul.amx_available() else 0)  # the steps after the prompts
 
 
-def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, monkeypatch):
+@pytest.mark.parametrize("batch", [3, 9])
+def test_two_threads_beside_a_busy_process_give_the_eager_bits(smollm2, batch, monkeypatch):
     """Another process spinning on a core: the C step's threads wait at its barriers asleep (and the
     plan runs later steps on one thread after a step that found its cores taken); the bits stay the
-    eager step's, whichever thread count each step ran on."""
-    prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (2 * i)) for i in range(3)]
+    eager step's, whichever thread count each step ran on, and (9 sequences: chunks taken by whichever
+    thread asks first) however the preempted thread's chunks fell to the other."""
+    prompts = [smollm2.tokenizer.encode("Tell me about the sea." + " And the ships." * (2 * i)) for i in range(batch)]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         with torch_threads(2):

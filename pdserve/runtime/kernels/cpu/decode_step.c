@@ -229,6 +229,10 @@ static void barrier_wait(SpinBarrier* b) {
 #endif
 }
 
+// The phases of a layer, each a chunk counter of the step's (Team.next: PHASES a layer, then the
+// final norm's).
+enum { INPUT_NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, POST_NORM, GATE_UP, SILU, DOWN, PHASES };
+
 typedef struct {
     const DecodeStep* s;
     const LayerWeights* layers;
@@ -236,23 +240,59 @@ typedef struct {
     void* out;
     Scratch b;
     SpinBarrier barrier;
+    atomic_llong* next;  // [num_layers * PHASES + 1]: the next chunk of each phase, from 0
 } Team;
 
-// Member id's share [lo, hi) of total items in `parts` parts, bounds multiples of `align`.
-static void share(int64_t total, int id, int parts, int64_t align, int64_t* lo, int64_t* hi) {
-    *lo = part_start(total, id, parts, align);
-    *hi = part_start(total, id + 1, parts, align);
+// A member of the step's team: its id of `parts`, and whether the step's phases are taken in chunks.
+typedef struct {
+    int id, parts, fine;
+} Member;
+
+// Steps of FINE_FROM_ROWS sequences or more take their projections and attention in
+// CHUNKS_PER_MEMBER chunks a member, their row operations in 2, each chunk taken by whichever member
+// asks next. Why: with a fixed share a member, one that another process preempts (the worker's own
+// gRPC thread, the gateway, the prefill worker: a decode worker's two threads share two cores with
+// them) holds the other at the barrier until it has run its share; through the stack at 32 streams
+// (2-core Xeon) a core idled in 10 % of samples, one member computing while the other slept at a
+// barrier. Taken a chunk at a time, a late member's share shrinks to what it had started. Fewer
+// sequences keep a fixed share a member: there a chunk's fixed costs (a call, the counter's cache
+// line moving between cores) are much of its work (4 sequences: 13.0 ms a step in fixed shares,
+// 13.7 in chunks). Each item is computed as on one thread, whoever computes it: the bits do not
+// depend on the split.
+#define CHUNKS_PER_MEMBER 4
+#define FINE_FROM_ROWS 8
+
+// The next items [lo, hi) of a phase's [0, total) for member `me` (bounds multiples of `align`): 1, or
+// 0 when none are left. *next counts the phase's chunks taken (zero before the phase); *taken, the
+// calls of this member's loop over the phase.
+static int take_items(const Member* me, atomic_llong* next, int* taken, int64_t per_member, int64_t total,
+                      int64_t align, int64_t* lo, int64_t* hi) {
+    int64_t chunk, chunks;
+    if (me->fine) {
+        chunks = me->parts * per_member;
+        chunk = atomic_fetch_add_explicit(next, 1, memory_order_relaxed);
+        if (chunk >= chunks) return 0;
+    } else {
+        if ((*taken)++) return 0;
+        chunks = me->parts;
+        chunk = me->id;
+    }
+    *lo = part_start(total, chunk, chunks, align);
+    *hi = part_start(total, chunk + 1, chunks, align);
+    return 1;
 }
 
-// Member id's share of layer l's attention (its K rows, then its V rows a block further): a range of
-// the step's (sequence, kv head) pairs (paged_attention.c's units, as its threaded entry points split them).
-static void attention_part(const DecodeStep* s, const Scratch* b, int64_t l, int id, int parts) {
+// for each non-empty range [LO, HI) member ME takes of a phase (take_items).
+#define FOR_ITEMS(ME, NEXT, PER_MEMBER, TOTAL, ALIGN, LO, HI)                                                  \
+    for (int taken_ = 0; take_items(ME, NEXT, &taken_, PER_MEMBER, TOTAL, ALIGN, &(LO), &(HI));)             \
+        if ((HI) > (LO))
+
+// Layer l's attention for units [u0, u1) of the step's (sequence, kv head) pairs (paged_attention.c's
+// units, as its threaded entry points split them): their K rows, then their V rows a block further.
+static void attention_units(const DecodeStep* s, const Scratch* b, int64_t l, int64_t u0, int64_t u1) {
     const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd;
     const int64_t block_stride = s->cache_layers * 2 * s->block_size * row, t_pad = s->max_blocks * s->block_size;
     const int64_t k_offset = l * 2 * s->block_size * row, v_offset = (l * 2 + 1) * s->block_size * row;
-    int64_t u0, u1;
-    share(s->batch * KVH, id, parts, 1, &u0, &u1);
-    if (u1 <= u0) return;
     if (s->bf16)
         paged_attention_bf16_bf16_units((const uint16_t*)b->q, (uint16_t*)b->attn, b->scores, s->scale, s->cache,
                                         s->block_tables, s->context_lens, s->max_blocks, H, KVH, hd, s->block_size,
@@ -263,21 +303,14 @@ static void attention_part(const DecodeStep* s, const Scratch* b, int64_t l, int
                                       block_stride, k_offset, v_offset, t_pad, u0, u1);
 }
 
-// A projection's output rows split over the team (aligned to the kernel's 2-row tiles, or the AMX
-// kernel's 32-row panels: the eager step's kernel for the same row count, Int4Linear.__call__).
-static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int id,
-                        int parts) {
-    int64_t n0, n1;
-    if (s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows) {
-        share(w->out_features, id, parts, 32, &n0, &n1);
-        if (n1 > n0)
-            int4_amx_linear_part((const uint16_t*)x, m, w->in_features, w->in_features, w->amx_codes,
-                                 w->amx_scale_zero, w->bias, w->out_features, n0, n1, (uint16_t*)y, w->out_features);
-        return;
-    }
-    share(w->out_features, id, parts, 2, &n0, &n1);
-    if (n1 <= n0) return;
-    if (s->bf16)
+// Output rows [n0, n1) of a projection (aligned to the kernel's 2-row tiles, or the AMX kernel's
+// 32-row panels: the eager step's kernel for the same row count, Int4Linear.__call__).
+static void linear_rows(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int64_t n0,
+                        int64_t n1) {
+    if (s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows)
+        int4_amx_linear_part((const uint16_t*)x, m, w->in_features, w->in_features, w->amx_codes, w->amx_scale_zero,
+                             w->bias, w->out_features, n0, n1, (uint16_t*)y, w->out_features);
+    else if (s->bf16)
         int4_linear_bf16((const uint16_t*)x, m, w->in_features, w->in_features, w->codes, w->scale, w->mins,
                          w->bias, n0, n1, (uint16_t*)y, w->out_features);
     else
@@ -286,27 +319,37 @@ static void linear_part(const DecodeStep* s, const Int4Weights* w, const char* x
                                                              w->out_features);
 }
 
-// Layer l of member `id` of `parts`: its input is the previous layer's MLP output b->down and the
-// residual stream before it (layer 0: the embeddings, in b->residual); its own MLP output goes to
-// b->down. Rows (row operations), (sequence, kv head) pairs (attention) and output features (projections)
-// are split over the members, a barrier after each phase; every value is computed as on one thread.
-static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b, int id, int parts,
-                       SpinBarrier* bar) {
-    const int64_t D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads, I = s->intermediate;
-    const int64_t width = (H + 2 * KVH) * hd, row = KVH * hd, es = b->es;
+// A projection's output rows, as member `me` takes them.
+static void linear_items(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y,
+                         const Member* me, atomic_llong* next) {
+    const int amx = s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows;
+    int64_t n0, n1;
+    FOR_ITEMS(me, next, CHUNKS_PER_MEMBER, w->out_features, amx ? 32 : 2, n0, n1) linear_rows(s, w, x, m, y, n0, n1);
+}
+
+// Layer l on member `me`: its input is the previous layer's MLP output b->down and the residual
+// stream before it (layer 0: the embeddings, in b->residual); its own MLP output goes to b->down.
+// Rows (row operations), (sequence, kv head) pairs (attention) and output features (projections)
+// are split over the members (take_items; next: the layer's PHASES counters), a barrier after each
+// phase; every value is computed as on one thread.
+static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b, const Member* me,
+                       atomic_llong* next, SpinBarrier* bar) {
+    const int64_t B = s->batch, D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads;
+    const int64_t I = s->intermediate, width = (H + 2 * KVH) * hd, row = KVH * hd, es = b->es;
     const int64_t block_stride = s->cache_layers * 2 * s->block_size * row;  // cache elements
     int64_t r0, r1;
-    share(s->batch, id, parts, 1, &r0, &r1);
-    const int64_t n = r1 - r0;
-    if (n && l == 0)
-        norm_rows(s, AT(b->residual, r0 * D), NULL, w->input_norm, n, AT(b->normed, r0 * D), NULL);
-    else if (n)
-        norm_rows(s, AT(b->down, r0 * D), AT(b->residual, r0 * D), w->input_norm, n, AT(b->normed, r0 * D),
-                  AT(b->residual, r0 * D));
+    FOR_ITEMS(me, next + INPUT_NORM, 2, B, 1, r0, r1) {
+        if (l == 0)
+            norm_rows(s, AT(b->residual, r0 * D), NULL, w->input_norm, r1 - r0, AT(b->normed, r0 * D), NULL);
+        else
+            norm_rows(s, AT(b->down, r0 * D), AT(b->residual, r0 * D), w->input_norm, r1 - r0, AT(b->normed, r0 * D),
+                      AT(b->residual, r0 * D));
+    }
     barrier_wait(bar);
-    linear_part(s, &w->qkv, b->normed, s->batch, b->qkv, id, parts);
+    linear_items(s, &w->qkv, b->normed, B, b->qkv, me, next + QKV);
     barrier_wait(bar);
-    if (n) {  // positions checked before the step: RoPE cannot fail here
+    FOR_ITEMS(me, next + ROPE_KV, 2, B, 1, r0, r1) {  // positions checked before the step: RoPE cannot fail
+        const int64_t n = r1 - r0;
         rope_rows(s, AT(b->qkv, r0 * width), width, n, H, s->positions + r0, AT(b->q, r0 * H * hd));
         rope_rows(s, AT(b->qkv, r0 * width + H * hd), width, n, KVH, s->positions + r0, AT(b->k, r0 * row));
         kv_write_rows((char*)s->cache, AT(b->k, r0 * row), row * es, AT(b->qkv, r0 * width + (H + KVH) * hd),
@@ -314,30 +357,31 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
                       l * 2 * s->block_size * row * es, s->cache_blocks * s->block_size);  // slots checked before
     }
     barrier_wait(bar);
-    attention_part(s, b, l, id, parts);  // shapes checked before the step
+    FOR_ITEMS(me, next + ATTENTION, CHUNKS_PER_MEMBER, B * KVH, 1, r0, r1)  // shapes checked before the step
+        attention_units(s, b, l, r0, r1);
     barrier_wait(bar);
-    linear_part(s, &w->o, b->attn, s->batch, b->o, id, parts);
+    linear_items(s, &w->o, b->attn, B, b->o, me, next + O_PROJ);
     barrier_wait(bar);
-    if (n)
-        norm_rows(s, AT(b->o, r0 * D), AT(b->residual, r0 * D), w->post_norm, n, AT(b->normed, r0 * D),
+    FOR_ITEMS(me, next + POST_NORM, 2, B, 1, r0, r1)
+        norm_rows(s, AT(b->o, r0 * D), AT(b->residual, r0 * D), w->post_norm, r1 - r0, AT(b->normed, r0 * D),
                   AT(b->residual, r0 * D));
     barrier_wait(bar);
-    linear_part(s, &w->gate_up, b->normed, s->batch, b->gate_up, id, parts);
+    linear_items(s, &w->gate_up, b->normed, B, b->gate_up, me, next + GATE_UP);
     barrier_wait(bar);
-    if (n) silu_rows(s, AT(b->gate_up, r0 * 2 * I), n, AT(b->act, r0 * I));
+    FOR_ITEMS(me, next + SILU, 2, B, 1, r0, r1) silu_rows(s, AT(b->gate_up, r0 * 2 * I), r1 - r0, AT(b->act, r0 * I));
     barrier_wait(bar);
-    linear_part(s, &w->down, b->act, s->batch, b->down, id, parts);
+    linear_items(s, &w->down, b->act, B, b->down, me, next + DOWN);
     barrier_wait(bar);
 }
 
 static void run_member(Team* t, int id) {
     const DecodeStep* s = t->s;
-    const int parts = t->barrier.size;
-    for (int64_t l = 0; l < s->num_layers; l++) layer_step(s, &t->layers[l], l, &t->b, id, parts, &t->barrier);
-    int64_t r0, r1;
-    share(s->batch, id, parts, 1, &r0, &r1);
+    const Member me = {.id = id, .parts = t->barrier.size, .fine = t->barrier.size > 1 && s->batch >= FINE_FROM_ROWS};
+    for (int64_t l = 0; l < s->num_layers; l++)
+        layer_step(s, &t->layers[l], l, &t->b, &me, t->next + l * PHASES, &t->barrier);
     const Scratch* b = &t->b;
-    if (r1 > r0)
+    int64_t r0, r1;
+    FOR_ITEMS(&me, t->next + s->num_layers * PHASES, 2, s->batch, 1, r0, r1)
         norm_rows(s, AT(b->down, r0 * s->hidden), AT(b->residual, r0 * s->hidden), s->final_norm, r1 - r0,
                   AT((char*)t->out, r0 * s->hidden), AT(b->residual, r0 * s->hidden));
 }
@@ -360,7 +404,12 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
     char* base = scratch_alloc(s, &t.b);
-    if (base == NULL) return 1;
+    t.next = calloc((size_t)(s->num_layers * PHASES + 1), sizeof(atomic_llong));  // zeros: no chunk taken
+    if (base == NULL || t.next == NULL) {
+        free(base);
+        free(t.next);
+        return 1;
+    }
     memcpy(t.b.residual, embeddings, (size_t)(s->batch * s->hidden * t.b.es));
     const int wanted = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads;
     atomic_init(&t.barrier.arrived, 0);
@@ -379,5 +428,6 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     const int64_t others_ns = (now_ns() - start) * (t.barrier.size - 1);  // the time of all but one member
     *loaded = LOADED_SLEEP_SHARE * (int64_t)atomic_load(&t.barrier.slept_ns) > others_ns && others_ns > 0;
     free(base);
+    free(t.next);
     return 0;
 }
