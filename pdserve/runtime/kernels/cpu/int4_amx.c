@@ -8,9 +8,11 @@
 // (half a byte a weight and a bf16 scale and zero per group of 32), widened to bf16 in L2 and
 // multiplied on the tiles: the dense bf16 matmul's weights, bit for bit, from 5 bits a weight read, not 16.
 //
-// The weight w[n, k] = bf16(((q - 8) * scale + zero)) in fp32, multiply then add, each rounded (not an
-// fma): `Int4Linear.dequantized`'s arithmetic, so the tiles multiply exactly its dense copy's values;
-// only the order of the fp32 sums differs from oneDNN's. The codes come laid out for the tiles
+// The weight w[n, k] = bf16(((q - 8) * scale + zero)) in fp32, multiply then add, each rounded:
+// `Int4Linear.dequantized`'s arithmetic, so the tiles multiply exactly its dense copy's values; only
+// the order of the fp32 sums differs from oneDNN's. Computed as one fma, which is the same: the
+// product of q - 8 (4 bits) and a bf16 scale (8) is exact in fp32, so the multiply never rounds and
+// the fma's one rounding is the add's (a block's widening, the kernel's main cost, 12 % faster). The codes come laid out for the tiles
 // (`int4_cpu.AmxForm`): for each block of 16 output rows and 32 inputs (one group each), 16 lines of
 // 16 bytes, one a row of the weight's tile (`dequantize_block`). Scales and zeros are read where
 // torch's int4 kernel reads them (`Int4Linear.scales_and_zeros`, [K / 32, N, 2] bf16): a block's 16
@@ -65,8 +67,8 @@ static void configure(int rows0, int rows1) {
 // 16 (scale, zero) pairs. Line r's byte i holds lane i's code (low nibble) and lane 16 + i's (high) of
 // the tile's row r, lane 2c + j being output c's input 2r + j: each half of a line is then 16 lanes
 // of 8 outputs (their scales and zeros spread to pairs once a block), widened by one permute
-// (q - 8 looked up, exact) and rounded to bf16 by one convert. Explicitly rounded multiply and add:
-// never contracted to an fma.
+// (q - 8 looked up, exact), scaled and shifted by one fma (exact as a multiply then an add: above)
+// and rounded to bf16 by one convert.
 static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, uint16_t* out) {
     const __m512i pairs = _mm512_loadu_si512(scale_zero);  // bf16 bits: scale low, zero high
     const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
@@ -76,13 +78,12 @@ static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, u
     const __m512 scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
     const __m512 zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
     const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);  // q - 8
-    const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int r = 0; r < 16; r++) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16 * r)));
         __m512 lo = _mm512_permutexvar_ps(b, centred);  // the index's low 4 bits: the low nibble
         __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), centred);
-        lo = _mm512_add_round_ps(_mm512_mul_round_ps(lo, scale_lo, round), zero_lo, round);
-        hi = _mm512_add_round_ps(_mm512_mul_round_ps(hi, scale_hi, round), zero_hi, round);
+        lo = _mm512_fmadd_ps(lo, scale_lo, zero_lo);
+        hi = _mm512_fmadd_ps(hi, scale_hi, zero_hi);
         _mm512_storeu_si512(out + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
