@@ -127,7 +127,7 @@ class Int4Linear:
     order of the fp32 sums differing), larger ones dense."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -165,6 +165,9 @@ class Int4Linear:
         self.q8 = self._q8_form(codes) if ours or few_rows else None
         # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above
         self.amx = cpu_int4_matmul.amx_codes(codes.codes) if amx else None
+        # [N] fp32: the AMX kernel's bias, made here rather than per call (the Q8 form's where there is one)
+        self.amx_bias = None if not amx or self.bias is None else (
+            self.q8.bias if self.q8 is not None else self.bias.float().contiguous())
 
     def _q8_form(self, codes: Int4Codes) -> Q8Form:
         nibbles = self.nibbles if self.nibbles is not None else _nibbles(codes.codes)
@@ -195,19 +198,13 @@ class Int4Linear:
                 return y
         if self.amx is not None:  # no torch packing: AMX below AMX_BELOW_ROWS, dense from it
             y = None if x.shape[0] >= AMX_BELOW_ROWS else cpu_int4_matmul.matmul_amx(
-                x, self.amx, self.scales_and_zeros, self.out_features, self._bias_f32())
+                x, self.amx, self.scales_and_zeros, self.out_features, self.amx_bias)
             return self._dense(x) if y is None else y
         if x.shape[0] >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
-
-    def _bias_f32(self) -> torch.Tensor | None:
-        """[N] fp32: the Q8 form's where there is one (made at load), else converted for this call."""
-        if self.q8 is not None or self.bias is None:
-            return None if self.q8 is None else self.q8.bias
-        return self.bias.float()
 
     def _fp32(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32: generated tokens' rows on the C kernel, prompt tokens' dense (`token_kinds`)."""
@@ -333,6 +330,8 @@ class Int4Linear:
             ts += [self.q8.nibbles] if self.nibbles is None else []
         if self.amx is not None:
             ts.append(self.amx)
+        if self.amx_bias is not None and self.q8 is None:  # its own (else the Q8 form's, counted above)
+            ts.append(self.amx_bias)
         return sum(t.numel() * t.element_size() for t in ts)
 
 

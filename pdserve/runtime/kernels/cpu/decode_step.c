@@ -303,11 +303,17 @@ static void attention_units(const DecodeStep* s, const Scratch* b, int64_t l, in
                                       block_stride, k_offset, v_offset, t_pad, u0, u1);
 }
 
+// Whether a projection of m rows runs on the AMX kernel (the eager step's kernel for the same row
+// count, Int4Linear.__call__), else on the Q8 kernel.
+static int runs_amx(const DecodeStep* s, const Int4Weights* w, int64_t m) {
+    return s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows;
+}
+
 // Output rows [n0, n1) of a projection (aligned to the kernel's 2-row tiles, or the AMX kernel's
-// 32-row panels: the eager step's kernel for the same row count, Int4Linear.__call__).
+// 32-row panels).
 static void linear_rows(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int64_t n0,
                         int64_t n1) {
-    if (s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows)
+    if (runs_amx(s, w, m))
         int4_amx_linear_part((const uint16_t*)x, m, w->in_features, w->in_features, w->amx_codes, w->amx_scale_zero,
                              w->bias, w->out_features, n0, n1, (uint16_t*)y, w->out_features);
     else if (s->bf16)
@@ -322,9 +328,9 @@ static void linear_rows(const DecodeStep* s, const Int4Weights* w, const char* x
 // A projection's output rows, as member `me` takes them.
 static void linear_items(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y,
                          const Member* me, atomic_llong* next) {
-    const int amx = s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows;
     int64_t n0, n1;
-    FOR_ITEMS(me, next, CHUNKS_PER_MEMBER, w->out_features, amx ? 32 : 2, n0, n1) linear_rows(s, w, x, m, y, n0, n1);
+    FOR_ITEMS(me, next, CHUNKS_PER_MEMBER, w->out_features, runs_amx(s, w, m) ? 32 : 2, n0, n1)
+        linear_rows(s, w, x, m, y, n0, n1);
 }
 
 // Layer l on member `me`: its input is the previous layer's MLP output b->down and the residual
