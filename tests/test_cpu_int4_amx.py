@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.int4_cpu import AMX_BELOW_ROWS, Int4Linear
+from pdserve.quant.int4_cpu import Int4Linear
 from pdserve.quant.int4_codes import quantize_rtn
 from pdserve.runtime.kernels import cpu_int4_matmul
+from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS
 
 pytestmark = pytest.mark.skipif(not cpu_int4_matmul.amx_available(), reason="needs a CPU with AMX-BF16")
 
