@@ -191,3 +191,50 @@ def test_bf16_silu_of_few_rows_is_torchs_within_one_ulp_and_alone_equals_batched
     assert ((got.float() - want.float()).abs() <= ulp).all()
     assert (got != want).float().mean() < 0.01  # rounded where torch rounds: one ulp apart, rarely
     assert torch.equal(torch.cat([cpu_layer_ops.silu_and_mul(gate_up[i:i + 1]) for i in range(4)]), got)
+
+
+@pytest.fixture(scope="module")
+def baseline_library(tmp_path_factory):
+    """The library built for the architecture's baseline (x86-64-v3: 8-lane AVX2), whatever this CPU has."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(cpu_attention.build_portable(tmp_path_factory.mktemp("portable") / "portable.so")))
+    for name, argtypes in cpu_attention._LAYER_OPS_ARGS.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def _bf16_row_ops(lib, x, residual, weight, gate_up, q, positions, cos, sin, scores, lens):
+    """Each bf16 row operation and the softmax through `lib` (ctypes): their outputs."""
+    import ctypes
+
+    # scores, rows, t_pad, per_len, lens (decode attention's own entry, not called from Python otherwise)
+    lib.softmax_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    n, d = x.shape
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    lib.add_rms_norm_bf16(x.data_ptr(), d, residual.data_ptr(), weight.data_ptr(), n, d, 1e-5, out.data_ptr(),
+                          summed.data_ptr())
+    silu = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.bfloat16)
+    lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[1], gate_up.shape[0], silu.shape[1], silu.data_ptr())
+    rotated = torch.empty_like(q)
+    assert lib.rope_bf16(q.data_ptr(), q.shape[1] * q.shape[2], q.shape[0], q.shape[1], q.shape[2],
+                         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0], rotated.data_ptr()) == 0
+    probs = scores.clone()
+    lib.softmax_rows_f32(probs.data_ptr(), probs.shape[0], probs.shape[1], 1, lens.data_ptr())
+    return out, summed, silu, rotated, probs
+
+
+@pytest.mark.parametrize("d,head_dim", [(576, 64), (40, 48), (13, 128)])
+def test_this_cpus_vector_width_gives_the_baseline_builds_bits(baseline_library, d, head_dim):
+    """16-lane AVX-512 row operations (where this CPU has them) compute each element as the 8-lane
+    AVX2 build does, and the softmax sums in the same order: the same bits, row tails included."""
+    x, residual, weight = (_randn(5, d, scale=3.0).bfloat16(), _randn(5, d).bfloat16(),
+                           (_randn(d) + 1).bfloat16())
+    gate_up = _randn(3, 2 * (d + 3), scale=4.0).bfloat16()
+    cos, sin = torch_ops.rope_cos_sin(head_dim, 512, 10000.0)
+    q, positions = _randn(4, 3, head_dim, scale=2.0).bfloat16(), torch.tensor([0, 5, 300, 511])
+    lens = torch.tensor([1, 7, 8, 15, 16, 17, 31, *range(32, 300, 5)], dtype=torch.int64)
+    scores = _randn(len(lens), 300)
+    args = (x, residual, weight, gate_up, q, positions, cos, sin, scores, lens)
+    for mine, baseline in zip(_bf16_row_ops(cpu_attention.library(), *args), _bf16_row_ops(baseline_library, *args)):
+        assert torch.equal(mine, baseline)

@@ -53,7 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prefill", type=int, default=1, help="prefill workers in the stack")
     p.add_argument("--decode", type=int, default=1, help="decode workers in the stack")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (both runs)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per stack process")
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="torch threads of the in-process engine (default: every core this process may use, "
+                        "the machine the stack's processes share)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results as JSON to this path ('-': stdout)")
 
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.runtime.loader import load_checkpoint, resolve_model_path
     from pdserve.stack import start_stack
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.engine_threads or len(os.sched_getaffinity(0)))
     checkpoint = load_checkpoint(resolve_model_path(args.model))
     work = text_workload(checkpoint.tokenizer, checkpoint.config.vocab_size, args)
     engine = Engine.from_checkpoint(checkpoint)
@@ -175,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
 def report(runs: list[StackRun], kv_per_request: float, cpu: dict[str, float], args: argparse.Namespace) -> int:
     rows = [r.summary() for r in runs]
     data = {"concurrency": args.concurrency, "prefill_workers": args.prefill, "decode_workers": args.decode,
+            "stack_threads": args.threads, "engine_threads": args.engine_threads or len(os.sched_getaffinity(0)),
             "runs": rows, "ratio": round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 2),
             "kv_bytes_per_request": round(kv_per_request), "cpu_seconds_during_run": cpu}
     print(f"{'run':<15}{'seconds':>9}{'out tok':>9}{'tok/s':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
