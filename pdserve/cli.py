@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             exit_now(code)
         return code
     except Exception as err:
-        # A model that cannot load: one line naming the file, no traceback. The loader is in
-        # sys.modules whenever it raised; light commands never import it (nor torch).
-        loader = sys.modules.get("pdserve.runtime.loader")
-        if loader is None or not isinstance(err, loader.ModelLoadError):
+        # A model that cannot load, or flags that cannot work together (a ConfigError): one line
+        # saying why, no traceback. Their modules are in sys.modules whenever they raised; light
+        # commands never import them (nor torch).
+        loader, config = sys.modules.get("pdserve.runtime.loader"), sys.modules.get("pdserve.runtime.config")
+        if not ((loader and isinstance(err, loader.ModelLoadError)) or (config and isinstance(err, config.ConfigError))):
             raise
         print(f"pdserve: {err}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from conftest import STORIES_GGUF
 from gateway.config import GatewayConfig
 from gateway.server import http_bind_of
 from pdserve.cli import build_parser
@@ -150,3 +151,17 @@ def test_max_model_len_over_the_window_is_one_line(capsys) -> None:
         assert args._run(args) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "--max-model-len" in err and f"context window of {window} tokens" in err, err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--weight-format", "int4"], "down_proj.weight has 172; serve this model with --weight-format dense"),
+    (["--num-blocks", "0"], "num_blocks must be positive, got 0"),
+])
+def test_flags_a_model_cannot_run_with_are_one_line(capsys, argv: list[str], says: str) -> None:
+    """A ConfigError (stories260K's 172-wide MLP does not pack in groups of 32; an empty cache) ends
+    the command with its message and status 2, not a traceback."""
+    from pdserve.cli import main
+
+    assert main(["bench-engine", "--model", str(STORIES_GGUF), "--skip-hf", "--num-requests", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and err.count("\n") == 1

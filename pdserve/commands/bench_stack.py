@@ -46,7 +46,10 @@ class StackRun:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled stories260K)")
+    from pdserve.engine_args import add_dtype_args, add_model_args
+
+    add_model_args(p)
+    add_dtype_args(p)  # both runs: the in-process engine as the stack's workers build theirs
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(4, 40), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
@@ -147,21 +150,32 @@ def kv_bytes_per_request(stack, num_requests: int) -> float:
     return sent / num_requests
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The model and dtype flags both runs share, as `pdserve up` flags."""
+    flags = ["--dtype", args.dtype, "--weight-format", args.weight_format, "--dense-copy", args.dense_copy]
+    flags += ["--kv-dtype", args.kv_dtype] if args.kv_dtype else []
+    return flags + (["--model", args.model] if args.model else [])
 
-    from pdserve.runtime.engine import Engine
-    from pdserve.runtime.loader import load_checkpoint, resolve_model_path
+
+def in_process_engine(args: argparse.Namespace):
+    """(Engine, checkpoint) built from the engine flags' defaults and `engine_flags`, as a worker builds
+    its own (pdserve.engine_args), on --engine-threads threads (default: every core this process may use)."""
+    from pdserve.engine_args import add_engine_args, build_engine
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    threads = args.engine_threads or len(os.sched_getaffinity(0))
+    return build_engine(parser.parse_args([*engine_flags(args), "--threads", str(threads)]))
+
+
+def run(args: argparse.Namespace) -> int:
     from pdserve.stack import start_stack
 
-    torch.set_num_threads(args.engine_threads or len(os.sched_getaffinity(0)))
-    checkpoint = load_checkpoint(resolve_model_path(args.model))
+    engine, checkpoint = in_process_engine(args)
     work = text_workload(checkpoint.tokenizer, checkpoint.config.vocab_size, args)
-    engine = Engine.from_checkpoint(checkpoint)
     local = run_in_process(engine, checkpoint.tokenizer, work, args.concurrency)
     del engine
-    extra = ["--model", args.model] if args.model else []
-    stack = start_stack(args.prefill, args.decode, "--threads", str(args.threads), *extra)
+    stack = start_stack(args.prefill, args.decode, "--threads", str(args.threads), *engine_flags(args))
     try:
         asyncio.run(run_through_gateway(stack.gateway_address, work[:4], 4))  # warm-up
         before = kv_bytes_per_request(stack, 1)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdserve.runtime.config import ConfigError
+
 GROUP = 32  # llama.cpp's Q4 block, and a group size torch's kernel takes
 ROW_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16
 
@@ -125,6 +127,9 @@ def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtyp
             if not rtn_others:
                 out[name] = weights[name]  # the float weight as loaded
                 continue
+            if weights[name].shape[1] % GROUP:
+                raise ConfigError(f"4-bit weights take a projection's inputs in groups of {GROUP}: {name} has "
+                                  f"{weights[name].shape[1]}; serve this model with --weight-format dense or auto")
             codes = quantize_rtn(weights[name])
         else:
             heads = arch.gguf_permuted_heads(name, config)

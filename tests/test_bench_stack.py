@@ -1,0 +1,45 @@
+"""pdserve bench-stack: the in-process engine it compares against is built as the stack's workers
+build theirs (same dtype, weight format, dense copy), and one tiny run of the command on a real
+stack (stories260K)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import STORIES_GGUF
+from pdserve.cli import build_parser
+from pdserve.commands import bench_stack
+from pdserve.engine_args import engine_config_from_args
+
+
+def _worker_config(role: str, *flags: str):
+    args = build_parser().parse_args([role, "--model", str(STORIES_GGUF), *flags])
+    return engine_config_from_args(args)
+
+
+def test_the_in_process_engine_is_configured_as_the_workers_are() -> None:
+    """Its dtype, weight format and dense copy are the workers' for the same flags (it once ran
+    EngineConfig()'s float32 against workers computing in bf16)."""
+    for flags in ([], ["--dtype", "bfloat16"], ["--dtype", "float32", "--dense-copy", "off"]):
+        args = build_parser().parse_args(["bench-stack", "--model", str(STORIES_GGUF), *flags])
+        engine, _ = bench_stack.in_process_engine(args)
+        prefill = _worker_config("prefill", *flags)
+        for field in ("dtype", "weight_format", "dense_copy"):
+            assert getattr(engine.config, field) == getattr(prefill, field), (flags, field)
+        assert engine.config.cache.dtype == prefill.cache.dtype == _worker_config("decode", *flags).cache.dtype
+
+
+def test_tiny_run_on_a_real_stack(tmp_path) -> None:
+    out = tmp_path / "stack.json"
+    args = build_parser().parse_args([
+        "bench-stack", "--model", str(STORIES_GGUF), "--num-requests", "6", "--concurrency", "3",
+        "--prompt-len", "4", "8", "--output-len", "3", "6", "--engine-threads", "1", "--json", str(out)])
+    assert args._run(args) == 0
+    data = json.loads(out.read_text())
+    local, remote = data["runs"]
+    assert (local["name"], remote["name"]) == ("in-process", "disaggregated")
+    assert local["requests"] == remote["requests"] == 6
+    assert local["output_tokens"] == remote["output_tokens"]  # ignore_eos: every request its full length
+    assert data["ratio"] == round(remote["output_tokens_per_s"] / local["output_tokens_per_s"], 2)
+    assert (data["engine_threads"], data["stack_threads"]) == (1, 1)
+    assert data["kv_bytes_per_request"] > 0 and data["cpu_seconds_during_run"]["decode-0"] > 0
