@@ -25,7 +25,7 @@
 
 #define LANES 8
 
-// exp(x) for 8 floats (Cephes' expf: 2^n times a degree-6 polynomial of the remainder, within
+// exp(x) for 8 or 16 floats (Cephes' expf: 2^n times a degree-6 polynomial of the remainder, within
 // about 2 ulp of expf over [-87, 88]; inputs are clamped there, so exp(-inf) comes out 2^-126 ~ 0).
 #ifdef LAYER_OPS_AVX2
 #define DEFINE_EXP(NAME, V, P, ROUND, CAST)                                                                 \
