@@ -17,6 +17,7 @@ from pdserve.runtime.loader import load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.stack import start_stack
 from pdserve.v1 import common_pb2, gateway_pb2, kvstore_pb2, worker_pb2, worker_pb2_grpc
+from waiting import wait_until
 
 PROMPTS = (
     "Once upon a time, in a small town, there lived a kind old man who",
@@ -28,6 +29,7 @@ LONG = 1000  # tokens per stream in the decode-kill test: mid-stream at the kill
 SHORT = 20
 LONG_PROMPT = "prompt 0, 12 times"
 READ_BEFORE_KILL = 96  # tokens each stream has delivered when its worker is killed (> 5 blocks)
+FILLED_BEFORE_KILL = 5  # full blocks of generated tokens each stream has then (its last token's KV is not yet)
 
 
 @pytest.fixture(scope="module")
@@ -76,21 +78,28 @@ def _all_correct(stack, reference, n: int = 8) -> None:
 
 
 def test_decode_worker_killed_mid_stream(stack, reference):
+    sent_before = stack.worker_stats("decode-0").kv_bytes_sent
     streams = [_generate(stack, p, LONG) for p in PROMPTS]  # spread over both decode workers
     got: list[list[int]] = [[] for _ in streams]
     for tokens, stream in zip(got, streams):
         while len(tokens) < READ_BEFORE_KILL:
             tokens.extend(next(stream).token_ids)
-    assert stack.worker_stats("decode-0").num_running >= 1  # streams live on the worker we kill
+    running = stack.worker_stats("decode-0").num_running
+    assert running >= 1  # streams live on the worker we kill
     received = stack.worker_stats("decode-1").kv_bytes_received
     kv = stack.kvstore_stats()
+    block_bytes = kv.used_bytes / kv.num_blocks
+    # The write-back runs beside the token stream, so the kill waits for the blocks the streams had
+    # filled by now (READ_BEFORE_KILL tokens: 5 full blocks past each prompt) to be stored, not lost
+    # in flight: the check below is about finding them, not about the race.
+    assert wait_until(lambda: stack.worker_stats("decode-0").kv_bytes_sent - sent_before
+                      >= running * FILLED_BEFORE_KILL * block_bytes, timeout_s=60)
     stack.kill("decode-0")
     for tokens, stream in zip(got, streams):
         tokens.extend(_tokens(stream))  # no error: the gateway resumed the stream on decode-1
     assert [tokens == reference[(p, LONG)] for p, tokens in zip(PROMPTS, got)] == [True] * len(PROMPTS)
     # The resumed streams took their KV from the store: more blocks than all prompts hold, so
     # blocks of generated tokens (written back as they filled) were fetched, not recomputed.
-    block_bytes = kv.used_bytes / kv.num_blocks
     prompt_blocks = sum(len(reference[(p, 0)]) // 16 for p in PROMPTS)  # --block-size 16
     assert stack.worker_stats("decode-1").kv_bytes_received - received > prompt_blocks * block_bytes
     _all_correct(stack, reference)  # new requests go to the survivor
