@@ -157,15 +157,19 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--model", args.model] if args.model else [])
 
 
+def engine_threads(args: argparse.Namespace) -> int:
+    """The in-process engine's threads: --engine-threads, else every core this process may use."""
+    return args.engine_threads or len(os.sched_getaffinity(0))
+
+
 def in_process_engine(args: argparse.Namespace):
     """(Engine, checkpoint) built from the engine flags' defaults and `engine_flags`, as a worker builds
-    its own (pdserve.engine_args), on --engine-threads threads (default: every core this process may use)."""
+    its own (pdserve.engine_args), on `engine_threads` threads."""
     from pdserve.engine_args import add_engine_args, build_engine
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    threads = args.engine_threads or len(os.sched_getaffinity(0))
-    return build_engine(parser.parse_args([*engine_flags(args), "--threads", str(threads)]))
+    return build_engine(parser.parse_args([*engine_flags(args), "--threads", str(engine_threads(args))]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
 def report(runs: list[StackRun], kv_per_request: float, cpu: dict[str, float], args: argparse.Namespace) -> int:
     rows = [r.summary() for r in runs]
     data = {"concurrency": args.concurrency, "prefill_workers": args.prefill, "decode_workers": args.decode,
-            "stack_threads": args.threads, "engine_threads": args.engine_threads or len(os.sched_getaffinity(0)),
+            "stack_threads": args.threads, "engine_threads": engine_threads(args),
             "runs": rows, "ratio": round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 2),
             "kv_bytes_per_request": round(kv_per_request), "cpu_seconds_during_run": cpu}
     print(f"{'run':<15}{'seconds':>9}{'out tok':>9}{'tok/s':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
