@@ -205,11 +205,7 @@ def baseline_library(tmp_path_factory):
 
 
 def _bf16_row_ops(lib, x, residual, weight, gate_up, q, positions, cos, sin, scores, lens):
-    """Each bf16 row operation and the softmax through `lib` (ctypes): their outputs."""
-    import ctypes
-
-    # scores, rows, t_pad, per_len, lens (decode attention's own entry, not called from Python otherwise)
-    lib.softmax_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    """Each bf16 row operation and the softmax through `lib` (ctypes, cpu_attention._LAYER_OPS_ARGS): their outputs."""
     n, d = x.shape
     out, summed = torch.empty_like(x), torch.empty_like(x)
     lib.add_rms_norm_bf16(x.data_ptr(), d, residual.data_ptr(), weight.data_ptr(), n, d, 1e-5, out.data_ptr(),

@@ -103,10 +103,16 @@ typedef struct {
     int64_t amx_from_rows;        // bf16 steps of this many rows or more: projections on AMX (0: never)
 } DecodeStep;
 
-// Scratch of one step, one allocation: activations in the step's dtype (es bytes each), fp32 scores.
+// The phases of a layer, each a chunk counter of the step's (Scratch.next: PHASES a layer, then the
+// final norm's).
+enum { INPUT_NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, POST_NORM, GATE_UP, SILU, DOWN, PHASES };
+
+// Scratch of one step, one allocation: activations in the step's dtype (es bytes each), fp32 scores,
+// and each phase's chunk counter (take_items), zero: no chunk taken.
 typedef struct {
     char *residual, *normed, *qkv, *q, *k, *attn, *o, *gate_up, *act, *down;
     float* scores;
+    atomic_llong* next;  // [num_layers * PHASES + 1]
     int64_t es;
 } Scratch;
 
@@ -116,11 +122,12 @@ static char* scratch_alloc(const DecodeStep* s, Scratch* b) {
     const int64_t B = s->batch, D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads;
     const int64_t qkv = (H + 2 * KVH) * hd, t_pad = s->max_blocks * s->block_size;
     const int64_t es = s->bf16 ? 2 : 4;
-    const int64_t sizes[11] = {B * D * es, B * D * es, B * qkv * es, B * H * hd * es, B * KVH * hd * es,
+    const int64_t counters = s->num_layers * PHASES + 1;
+    const int64_t sizes[12] = {B * D * es, B * D * es, B * qkv * es, B * H * hd * es, B * KVH * hd * es,
                                B * H * hd * es, B * D * es, B * 2 * s->intermediate * es, B * s->intermediate * es,
-                               B * D * es, B * H * t_pad * 4};
+                               B * D * es, B * H * t_pad * 4, counters * (int64_t)sizeof(atomic_llong)};
     int64_t total = 0;
-    for (int i = 0; i < 11; i++) total += (sizes[i] + 63) / 64 * 64;  // each buffer 64-byte aligned
+    for (int i = 0; i < 12; i++) total += (sizes[i] + 63) / 64 * 64;  // each buffer 64-byte aligned
     char* base = aligned_alloc(64, (size_t)total);
     if (base == NULL) return NULL;
     char** slots[10] = {&b->residual, &b->normed, &b->qkv, &b->q, &b->k, &b->attn, &b->o,
@@ -131,6 +138,8 @@ static char* scratch_alloc(const DecodeStep* s, Scratch* b) {
         p += (sizes[i] + 63) / 64 * 64;
     }
     b->scores = (float*)p;
+    b->next = (atomic_llong*)(p + (sizes[10] + 63) / 64 * 64);
+    for (int64_t i = 0; i < counters; i++) atomic_init(&b->next[i], 0);
     b->es = es;
     return base;
 }
@@ -229,10 +238,6 @@ static void barrier_wait(SpinBarrier* b) {
 #endif
 }
 
-// The phases of a layer, each a chunk counter of the step's (Team.next: PHASES a layer, then the
-// final norm's).
-enum { INPUT_NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, POST_NORM, GATE_UP, SILU, DOWN, PHASES };
-
 typedef struct {
     const DecodeStep* s;
     const LayerWeights* layers;
@@ -240,7 +245,6 @@ typedef struct {
     void* out;
     Scratch b;
     SpinBarrier barrier;
-    atomic_llong* next;  // [num_layers * PHASES + 1]: the next chunk of each phase, from 0
 } Team;
 
 // A member of the step's team: its id of `parts`, and whether the step's phases are taken in chunks.
@@ -384,10 +388,10 @@ static void run_member(Team* t, int id) {
     const DecodeStep* s = t->s;
     const Member me = {.id = id, .parts = t->barrier.size, .fine = t->barrier.size > 1 && s->batch >= FINE_FROM_ROWS};
     for (int64_t l = 0; l < s->num_layers; l++)
-        layer_step(s, &t->layers[l], l, &t->b, &me, t->next + l * PHASES, &t->barrier);
+        layer_step(s, &t->layers[l], l, &t->b, &me, t->b.next + l * PHASES, &t->barrier);
     const Scratch* b = &t->b;
     int64_t r0, r1;
-    FOR_ITEMS(&me, t->next + s->num_layers * PHASES, 2, s->batch, 1, r0, r1)
+    FOR_ITEMS(&me, b->next + s->num_layers * PHASES, 2, s->batch, 1, r0, r1)
         norm_rows(s, AT(b->down, r0 * s->hidden), AT(b->residual, r0 * s->hidden), s->final_norm, r1 - r0,
                   AT((char*)t->out, r0 * s->hidden), AT(b->residual, r0 * s->hidden));
 }
@@ -410,12 +414,7 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
     char* base = scratch_alloc(s, &t.b);
-    t.next = calloc((size_t)(s->num_layers * PHASES + 1), sizeof(atomic_llong));  // zeros: no chunk taken
-    if (base == NULL || t.next == NULL) {
-        free(base);
-        free(t.next);
-        return 1;
-    }
+    if (base == NULL) return 1;
     memcpy(t.b.residual, embeddings, (size_t)(s->batch * s->hidden * t.b.es));
     const int wanted = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : (int)threads;
     atomic_init(&t.barrier.arrived, 0);
@@ -434,6 +433,5 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     const int64_t others_ns = (now_ns() - start) * (t.barrier.size - 1);  // the time of all but one member
     *loaded = LOADED_SLEEP_SHARE * (int64_t)atomic_load(&t.barrier.slept_ns) > others_ns && others_ns > 0;
     free(base);
-    free(t.next);
     return 0;
 }

@@ -334,12 +334,13 @@ void silu_mul_bf16(const uint16_t* gate_up, int64_t stride, int64_t n, int64_t i
 // As rope_f32, in bf16 as torch_ops.apply_rope_torch computes it: cos and sin rounded to bf16, each
 // product rounded to bf16, then their difference (sum) rounded: bf16(bf16(x[i] c[i]) - bf16(x[i + h] s[i])),
 // which is torch's bf16(bf16(x[i] c[i]) + bf16(-x[i + h] s[i])) (rounding to nearest even is symmetric).
-// (A decode step's rows are few and a head's 64 values short: scalar.)
+// Scalar, or 16 of a head's positions at a time where the CPU has AVX-512.
 #define ROUNDED_BF16(x) f32_of(bf16_round(x))
 #ifndef LAYER_OPS_AVX512
 DEFINE_ROPE(rope_bf16, uint16_t, f32_of, ROUNDED_BF16, bf16_round, ROUNDED_BF16)
 #else
-// The same arithmetic, 16 of a head's first-half positions i at a time.
+// The same arithmetic, 16 of a head's first-half positions i at a time (a row's tables rounded once
+// for all its heads).
 int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const int64_t* positions,
               const float* cos, const float* sin, int64_t max_positions, uint16_t* out) {
     const int64_t half = dim / 2;
@@ -350,7 +351,8 @@ int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int
         const float* s = sin + positions[r] * dim;
         for (int64_t i = 0; i < half; i += 16) {
             const __mmask16 m = lanes16(half, i);
-            const __m512 c_lo = rounded16(_mm512_maskz_loadu_ps(m, c + i)), s_lo = rounded16(_mm512_maskz_loadu_ps(m, s + i));
+            const __m512 c_lo = rounded16(_mm512_maskz_loadu_ps(m, c + i));
+            const __m512 s_lo = rounded16(_mm512_maskz_loadu_ps(m, s + i));
             const __m512 c_hi = rounded16(_mm512_maskz_loadu_ps(m, c + i + half));
             const __m512 s_hi = rounded16(_mm512_maskz_loadu_ps(m, s + i + half));
             for (int64_t h = 0; h < heads; h++) {
@@ -368,8 +370,6 @@ int rope_bf16(const uint16_t* x, int64_t x_stride, int64_t n, int64_t heads, int
 }
 #endif
 
-// In place: each of `rows` rows of t_pad scores becomes the softmax of its first len[row / per_len]
-// values (those past it are left as they are: nobody reads them). Sums in a fixed order.
 // The largest of x[0 .. n) (NaNs skipped, as by x > mx ? x : mx: the vector max keeps its second
 // operand where either is a NaN); -inf for an empty row. Any order gives the same value.
 static float row_max(const float* x, int64_t n) {
@@ -434,6 +434,8 @@ static void exp_rows_sum(float* x, int64_t len, float mx, float lane[LANES]) {
 #endif
 }
 
+// In place: each of `rows` rows of t_pad scores becomes the softmax of its first len[row / per_len]
+// values (those past it are left as they are: nobody reads them). Sums in a fixed order.
 void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_len, const int64_t* lens) {
     for (int64_t row = 0; row < rows; row++) {
         float* x = scores + row * t_pad;
