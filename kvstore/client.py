@@ -2,17 +2,29 @@
 
 Protobuf stays inside this module: callers pass and receive plain bytes, ints and dataclasses.
 Failed calls raise grpc.aio.AioRpcError (e.g. UNAVAILABLE when the store is down).
+
+With `shared_memory_bytes`, block data moves through a staging segment of shared memory when the
+store runs on this host (kvstore.shared_memory), and inside the messages otherwise.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from types import TracebackType
 
+import grpc
+
+from kvstore.shared_memory import DEFAULT_DIR, StagingSegment
 from kvstore.store import StoreStats
 from pdserve.grpc_server import grpc_channel
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+
+log = logging.getLogger(__name__)
 
 
 class KVStoreProtocolError(RuntimeError):
@@ -31,17 +43,64 @@ class PutResult:
 class KVStoreClient:
     """Talks to one KV store at `target` ("host:port"); use `async with` or call close()."""
 
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+    def __init__(self, target: str, timeout_s: float | None = None, shared_memory_bytes: int = 0,
+                 shared_memory_dir: Path = DEFAULT_DIR) -> None:
         self.target = target
         self.timeout_s = timeout_s  # deadline of each call; None = no deadline
         self._channel = grpc_channel(target)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self._staging = StagingLink(target, self._stub, shared_memory_bytes, shared_memory_dir, timeout_s)
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether block data moves through shared memory (known after the first transfer)."""
+        return self._staging.segment is not None
+
+    @property
+    def blocks_in_shared_memory(self) -> int:
+        """Blocks put or got through the segment so far."""
+        return self._staging.blocks_moved
 
     async def put_blocks(self, request_id: str, blocks: Iterable[tuple[bytes, bytes]]) -> PutResult:
         """Upload (hash, wire data) pairs in one stream, pinned under `request_id` ("" = unpinned)."""
+        blocks = list(blocks)
+        attached = await self._staging.ready()
+        if attached is None:
+            return await self._put(request_id, blocks, None)
+        segment, regions = attached[0], []
+        try:
+            result = await self._put(request_id, blocks, (*attached, regions))
+        except grpc.aio.AioRpcError as exc:
+            self._staging.retire(segment, regions)
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            self._staging.lost(exc.details())  # e.g. a store restarted elsewhere: send inline
+            return await self._put(request_id, blocks, None)
+        except BaseException:
+            self._staging.retire(segment, regions)
+            raise
+        for offset, length in regions:
+            segment.regions.free(offset, length)
+        return result
+
+    async def _put(self, request_id: str, blocks: list[tuple[bytes, bytes]],
+                   staging: tuple[StagingSegment, kvstore_pb2.SharedSegment, list[tuple[int, int]]] | None
+                   ) -> PutResult:
+        """One PutBlocks stream; with `staging`, each block that finds room goes through the segment
+        (its region appended to the list)."""
         async def requests() -> AsyncIterator[kvstore_pb2.PutBlockRequest]:
             for block_hash, data in blocks:
-                yield kvstore_pb2.PutBlockRequest(request_id=request_id, block_hash=block_hash, data=data)
+                offset = staging[0].regions.reserve(len(data)) if staging else None
+                if offset is None:
+                    self._staging.seen(len(data), staged=False)
+                    yield kvstore_pb2.PutBlockRequest(request_id=request_id, block_hash=block_hash, data=data)
+                    continue
+                segment, message, regions = staging
+                regions.append((offset, len(data)))
+                self._staging.seen(len(data), staged=True)
+                segment.write(offset, data)
+                yield kvstore_pb2.PutBlockRequest(request_id=request_id, block_hash=block_hash,
+                                                  segment=message, offset=offset, length=len(data))
 
         response = await self._stub.PutBlocks(requests(), timeout=self.timeout_s)
         return PutResult(response.stored, response.already_present, response.rejected)
@@ -52,20 +111,48 @@ class KVStoreClient:
 
         A non-empty `request_id` pins the returned blocks under that lease.
         """
-        call = self._stub.GetBlocks(
-            kvstore_pb2.GetBlocksRequest(request_id=request_id, block_hashes=hashes),
-            timeout=self.timeout_s)
-        count = 0
+        request = kvstore_pb2.GetBlocksRequest(request_id=request_id, block_hashes=hashes)
+        attached = await self._staging.ready()
+        segment = attached[0] if attached is not None else None
+        region = self._staging.reserve_for(segment, len(hashes)) if segment is not None else None
+        if region is not None:
+            request.segment.CopyFrom(attached[1])
+            request.offset, request.capacity = region
+        call = self._stub.GetBlocks(request, timeout=self.timeout_s)
+        count, ended = 0, False
         try:
             async for block in call:
                 if count >= len(hashes) or block.block_hash != hashes[count]:
                     raise KVStoreProtocolError(f"GetBlocks answer {count} is not for the hash asked for")
-                yield block.block_hash, (None if block.missing else block.data)
+                yield block.block_hash, self._block_data(block, segment, region)
                 count += 1
+            ended = True
+        except grpc.aio.AioRpcError as exc:
+            if region is not None and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._staging.lost(exc.details())  # the store cannot use the segment: inline from now on
+            raise
         finally:
             call.cancel()  # no-op when finished; stops the transfer if the caller broke off early
+            if region is not None and ended:
+                segment.regions.free(*region)
+            elif region is not None:  # the store may still be writing into it
+                self._staging.retire(segment, [region])
         if count != len(hashes):
             raise KVStoreProtocolError(f"GetBlocks returned {count} of {len(hashes)} blocks")
+
+    def _block_data(self, block: kvstore_pb2.KVBlock, segment: StagingSegment | None,
+                    region: tuple[int, int] | None) -> bytes | None:
+        if block.missing:
+            return None
+        if not block.in_segment:
+            self._staging.seen(len(block.data), staged=False)
+            return block.data
+        offset, capacity = region or (0, 0)
+        if not (segment and region and offset <= block.offset
+                and block.offset + block.length <= offset + capacity):
+            raise KVStoreProtocolError("GetBlocks placed a block outside the region it was given")
+        self._staging.seen(block.length, staged=True)
+        return segment.read(block.offset, block.length)
 
     async def get_blocks(self, hashes: Sequence[bytes], request_id: str = "") -> list[bytes | None]:
         """Data of each hash in order, None where the store does not have it."""
@@ -110,6 +197,7 @@ class KVStoreClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        self._staging.close()
 
     async def __aenter__(self) -> KVStoreClient:
         return self
@@ -117,3 +205,93 @@ class KVStoreClient:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+class StagingLink:
+    """A client's staging segment (kvstore.shared_memory) and whether its store uses it: created and
+    attached at the first transfer; off for good when the store cannot map it."""
+
+    FIRST_BLOCK_GUESS = 512 * 1024  # bytes a block is taken to have until one has been seen
+
+    def __init__(self, target: str, stub: kvstore_pb2_grpc.KVStoreStub, area_bytes: int, directory: Path,
+                 timeout_s: float | None) -> None:
+        self.target = target
+        self._stub = stub
+        self.area_bytes = area_bytes
+        self.directory = directory
+        self.timeout_s = timeout_s
+        self.segment: StagingSegment | None = None
+        self.message = kvstore_pb2.SharedSegment()
+        self._off = area_bytes <= 0
+        self._lock = asyncio.Lock()
+        self._block_bytes = 0  # the largest block moved so far
+        self.blocks_moved = 0  # through the segment, puts and gets
+
+    async def ready(self) -> tuple[StagingSegment, kvstore_pb2.SharedSegment] | None:
+        """The attached segment and the message naming it, or None: block data goes inline."""
+        if self.segment is None and not self._off:
+            async with self._lock:
+                if self.segment is None and not self._off:
+                    await self._attach()
+        return None if self.segment is None else (self.segment, self.message)
+
+    async def _attach(self) -> None:
+        try:
+            segment = StagingSegment(self.area_bytes, self.directory)
+        except OSError as exc:
+            self._turn_off(f"no staging segment in {self.directory}: {exc}")
+            return
+        message = kvstore_pb2.SharedSegment(name=segment.name, token=segment.token)
+        try:
+            response = await self._stub.AttachSegment(message, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            segment.close()
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a store from before shared memory
+                self._turn_off("the store has no AttachSegment")
+            return  # unreachable now: inline this time, try again next time
+        if not response.attached:
+            segment.close()
+            self._turn_off(response.reason)
+            return
+        self.segment, self.message = segment, message
+        log.info("KV blocks to and from %s go through shared memory (%s, %d MiB)",
+                 self.target, segment.path, self.area_bytes >> 20)
+
+    def reserve_for(self, segment: StagingSegment, blocks: int) -> tuple[int, int] | None:
+        """A region for a get of `blocks` blocks (smaller when the area has less room, None when it has
+        room for none): (offset, capacity)."""
+        block = self._block_bytes or self.FIRST_BLOCK_GUESS
+        length = min(blocks * block, segment.regions.largest_free())
+        if length < block:
+            return None
+        return segment.regions.reserve(length), length
+
+    def seen(self, block_bytes: int, staged: bool) -> None:
+        """A block of `block_bytes` moved, through the segment or inline."""
+        self._block_bytes = max(self._block_bytes, block_bytes)
+        self.blocks_moved += staged
+
+    def retire(self, segment: StagingSegment, regions: list[tuple[int, int]]) -> None:
+        """Regions of a call that did not end normally: never reused. Past half the area, the next
+        transfer starts a fresh segment."""
+        for _, length in regions:
+            segment.regions.retire(length)
+        if segment is self.segment and segment.regions.retired_bytes * 2 > segment.regions.size:
+            self.segment = None
+            segment.close()  # the store's mapping and calls in flight keep the pages until they end
+
+    def lost(self, reason: str) -> None:
+        """The store no longer maps the segment: inline from now on."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self._turn_off(reason)
+
+    def _turn_off(self, reason: str) -> None:
+        self._off = True
+        log.info("KV blocks to and from %s go inside messages: %s", self.target, reason)
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None

@@ -5,6 +5,12 @@ server-streaming) so bulk transfers never build one giant message. The service t
 data as opaque bytes; it only checks the wire header's magic, version and length so that garbage
 is refused at the door (readers still verify the checksum and the model fingerprint).
 
+A client on the store's host may attach a staging segment of shared memory (AttachSegment,
+kvstore.shared_memory): its puts then name a range of the segment instead of carrying the bytes,
+and its gets hand the store a range to fill. A segment the store cannot use (not on this host,
+wrong token, a range outside it) fails the call with FAILED_PRECONDITION, and the client goes
+back to sending bytes inside messages.
+
 It also keeps the ResidencyIndex (which decode worker holds which blocks in its paged cache):
 decode workers report into it, and Lookup(with_residency) reads it for the gateway's router.
 """
@@ -18,9 +24,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvstore.residency import ResidencyIndex
+from kvstore.shared_memory import AttachedSegments, SegmentError
 from kvstore.store import MemoryBlockStore, PutOutcome, StoreFullError
 from kvstore.tiered import TieredStore
-from pdserve.grpc_server import abort_on
+from pdserve.grpc_server import ServiceError, abort_on
 from pdserve.kv_header import HEADER_SIZE, KVBlockError, read_header
 from pdserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -40,9 +47,20 @@ def check_block_data(data: bytes) -> None:
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     """Serves one TieredStore (a bare MemoryBlockStore is wrapped: memory tier only)."""
 
-    def __init__(self, store: TieredStore | MemoryBlockStore, residency: ResidencyIndex | None = None) -> None:
+    def __init__(self, store: TieredStore | MemoryBlockStore, residency: ResidencyIndex | None = None,
+                 segments: AttachedSegments | None = None) -> None:
         self.store = store if isinstance(store, TieredStore) else TieredStore(store)
         self.residency = residency or ResidencyIndex()
+        self.segments = segments or AttachedSegments()
+
+    @abort_on()
+    async def AttachSegment(self, request: kvstore_pb2.SharedSegment,
+                            context: grpc.aio.ServicerContext) -> kvstore_pb2.AttachSegmentResponse:
+        try:
+            self.segments.attach(request.name, request.token)
+        except SegmentError as exc:
+            return kvstore_pb2.AttachSegmentResponse(attached=False, reason=str(exc))
+        return kvstore_pb2.AttachSegmentResponse(attached=True)
 
     @abort_on()
     async def PutBlocks(self, request_iterator: AsyncIterator[kvstore_pb2.PutBlockRequest],
@@ -60,16 +78,27 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
 
     def _put_one(self, request: kvstore_pb2.PutBlockRequest) -> PutOutcome | None:
         """Store one block; None when it is rejected (the stream goes on with the next one)."""
+        data = self._data_of(request)
         try:
             if not request.block_hash:
                 raise KVBlockError("empty block_hash")
-            check_block_data(request.data)
-            return self.store.put(request.block_hash, request.data, lease=request.request_id)
+            check_block_data(data)
+            return self.store.put(request.block_hash, data, lease=request.request_id)
         except KVBlockError as exc:
             log.warning("rejected block %s of %r: %s", request.block_hash.hex(), request.request_id, exc)
         except StoreFullError as exc:
             log.warning("rejected block %s of %r: %s", request.block_hash.hex(), request.request_id, exc)
         return None
+
+    def _data_of(self, request: kvstore_pb2.PutBlockRequest) -> bytes:
+        """The block's bytes: inline, or copied out of the sender's segment."""
+        if not request.HasField("segment"):
+            return request.data
+        segment = request.segment
+        try:
+            return self.segments.read(segment.name, segment.token, request.offset, request.length)
+        except SegmentError as exc:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
     @abort_on()
     async def GetBlocks(self, request: kvstore_pb2.GetBlocksRequest,
@@ -77,9 +106,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         # Fetch (and pin) everything up front: the bytes are immutable, so later evictions
         # cannot change what this stream sends.
         found = await self.store.get(list(request.block_hashes), lease=request.request_id)
+        staging = request.segment if request.HasField("segment") else None
+        cursor, end = request.offset, request.offset + request.capacity
         for block_hash, data in zip(request.block_hashes, found):
             if data is None:
                 yield kvstore_pb2.KVBlock(block_hash=block_hash, missing=True)
+            elif staging is not None and cursor + len(data) <= end:
+                try:
+                    self.segments.write(staging.name, staging.token, cursor, data)
+                except SegmentError as exc:
+                    raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+                yield kvstore_pb2.KVBlock(block_hash=block_hash, in_segment=True, offset=cursor, length=len(data))
+                cursor += len(data)
             else:
                 yield kvstore_pb2.KVBlock(block_hash=block_hash, data=data)
 

@@ -209,7 +209,8 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
     if config.engine_fault_after_steps:
         aengine.inject_fault_for_tests(config.engine_fault_after_steps)
     worker_id = config.worker_id or f"{socket.gethostname()}:{config.bind.rsplit(':', 1)[-1]}"
-    kv = KVStoreClient(config.kvstore, timeout_s=KVSTORE_TIMEOUT_S)
+    kv = KVStoreClient(config.kvstore, timeout_s=KVSTORE_TIMEOUT_S,
+                       shared_memory_bytes=int(config.kv_shared_memory_mb * 2**20))
     return Worker(worker_id, aengine, kv, engine.kv_format, TransferCounters(), mac_key=config.kv_mac_key,
                   config=config)
 

@@ -22,6 +22,7 @@ from pdserve.grpc_server import ProcessConfig
 
 WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generated blocks off
 RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
+SHARED_MEMORY_ENV = "PDSERVE_KV_SHARED_MEMORY_MB"
 DRAIN_TIMEOUT_ENV = "PDSERVE_DRAIN_TIMEOUT_S"
 # Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
 ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
@@ -49,6 +50,10 @@ class WorkerConfig(FromFlags):
     kv_write_back: bool = setting(True, "decode: write each block a sequence fills back to the kvstore "
                                   "(unpinned), so a resume elsewhere or the next turn finds it by prefix",
                                   env=WRITE_BACK_ENV)
+    kv_shared_memory_mb: float = setting(64.0, "MiB of shared memory through which KV blocks move to and from "
+                                         "a kvstore on this host (kvstore.shared_memory; 0: inside gRPC "
+                                         "messages, as with a store elsewhere)", env=SHARED_MEMORY_ENV,
+                                         metavar="MIB")
     residency_interval_s: float = setting(1.0, "decode: seconds between reports of the paged cache's blocks "
                                           "to the kvstore's residency index (the gateway routes by it)",
                                           env=RESIDENCY_INTERVAL_ENV, metavar="S")
@@ -88,6 +93,8 @@ class WorkerConfig(FromFlags):
         if not self.residency_interval_s > 0:
             raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
                              f"got {self.residency_interval_s:g}")
+        if not 0 <= self.kv_shared_memory_mb <= 65536:  # also refuses NaN
+            raise ValueError(f"--kv-shared-memory-mb must be in [0, 65536] MiB (0: off), got {self.kv_shared_memory_mb:g}")
         if not self.drain_timeout_s >= 0:  # also refuses NaN
             raise ValueError(f"--drain-timeout-s / {DRAIN_TIMEOUT_ENV} must be >= 0 seconds, "
                              f"got {self.drain_timeout_s:g}")

@@ -73,6 +73,7 @@ BAD_VALUES = [
     (lambda: KVStoreConfig(backend="memcached://kv"), "--kv-backend"),
     (lambda: KVStoreConfig(backend_timeout_s=0), "--backend-timeout-ms"),
     (lambda: WorkerConfig(residency_interval_s=0), "--residency-interval-s"),
+    (lambda: WorkerConfig(kv_shared_memory_mb=-1), "--kv-shared-memory-mb"),
     (lambda: WorkerConfig(batch_window_s=-1), "--batch-window-ms"),
     (lambda: WorkerConfig(decode_yield_s=float("nan")), "--decode-yield-ms"),
     (lambda: WorkerConfig(engine_fault_after_steps=-1), "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"),
@@ -173,7 +174,7 @@ OTHER_VALUES = {
     "PDSERVE_RETRY_RATIO": "0.5", "PDSERVE_RETRY_MIN": "1", "PDSERVE_RETRY_WINDOW_S": "5",
     "PDSERVE_LOG_LEVEL": "DEBUG", "PDSERVE_LOG_PROMPTS": "1", "PDSERVE_TRACES": "console",
     "PDSERVE_METRICS_PORT": "9100", "PDSERVE_METRICS_HOST": "0.0.0.0", "PDSERVE_KV_BACKEND": "redis://redis:6379/0",
-    "PDSERVE_KV_WRITE_BACK": "0", "PDSERVE_RESIDENCY_INTERVAL_S": "0.2", "PDSERVE_DRAIN_TIMEOUT_S": "5",
+    "PDSERVE_KV_WRITE_BACK": "0", "PDSERVE_KV_SHARED_MEMORY_MB": "16", "PDSERVE_RESIDENCY_INTERVAL_S": "0.2", "PDSERVE_DRAIN_TIMEOUT_S": "5",
     "PDSERVE_API_KEY": "sk-test-key", "PDSERVE_ALLOWED_ORIGINS": "http://localhost:3000",
 }
 

@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\"G\n\x0fPutBlockRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"N\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x05\x12\x10\n\x08rejected\x18\x03 \x01(\x05\"<\n\x10GetBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"<\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0f\n\x07missing\x18\x03 \x01(\x08\"=\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0ewith_residency\x18\x02 \x01(\x08\"8\n\x0cWorkerPrefix\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprefix_blocks\x18\x02 \x01(\x05\"e\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07present\x18\x02 \x03(\x08\x12+\n\tresidency\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.WorkerPrefix\"S\n\x0fResidencyReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\r\n\x05reset\x18\x04 \x01(\x08\"\"\n\x0cResidencyAck\x12\x12\n\nneed_reset\x18\x01 \x01(\x08\"2\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64rop\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x15\n\x13KVStoreStatsRequest\"\xaa\x02\n\x0cKVStoreStats\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nnum_pinned\x18\x04 \x01(\x05\x12\x12\n\nnum_leases\x18\x05 \x01(\x05\x12\x0c\n\x04puts\x18\x06 \x01(\x03\x12\x0c\n\x04gets\x18\x07 \x01(\x03\x12\x0c\n\x04hits\x18\x08 \x01(\x03\x12\x0e\n\x06misses\x18\t \x01(\x03\x12\x11\n\tevictions\x18\n \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x0b \x01(\x03\x12\x11\n\tbytes_out\x18\x0c \x01(\x03\x12\x14\n\x0c\x62\x61\x63kend_hits\x18\r \x01(\x03\x12\x16\n\x0e\x62\x61\x63kend_errors\x18\x0e \x01(\x03\x12\x12\n\nbackend_up\x18\x0f \x01(\x08\x32\xa9\x03\n\x07KVStore\x12I\n\tPutBlocks\x12\x1b.pdserve.v1.PutBlockRequest\x1a\x1d.pdserve.v1.PutBlocksResponse(\x01\x12@\n\tGetBlocks\x12\x1c.pdserve.v1.GetBlocksRequest\x1a\x13.pdserve.v1.KVBlock0\x01\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x42\n\x05Stats\x12\x1f.pdserve.v1.KVStoreStatsRequest\x1a\x18.pdserve.v1.KVStoreStats\x12H\n\x0fReportResidency\x12\x1b.pdserve.v1.ResidencyReport\x1a\x18.pdserve.v1.ResidencyAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/kvstore.proto\x12\npdserve.v1\",\n\rSharedSegment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\"9\n\x15\x41ttachSegmentResponse\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x93\x01\n\x0fPutBlockRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12*\n\x07segment\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.SharedSegment\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\"N\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x05\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\x05\x12\x10\n\x08rejected\x18\x03 \x01(\x05\"\x8a\x01\n\x10GetBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12*\n\x07segment\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.SharedSegment\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x04\"p\n\x07KVBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0f\n\x07missing\x18\x03 \x01(\x08\x12\x12\n\nin_segment\x18\x04 \x01(\x08\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\"=\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0ewith_residency\x18\x02 \x01(\x08\"8\n\x0cWorkerPrefix\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprefix_blocks\x18\x02 \x01(\x05\"e\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07present\x18\x02 \x03(\x08\x12+\n\tresidency\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.WorkerPrefix\"S\n\x0fResidencyReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0c\x12\x0f\n\x07removed\x18\x03 \x03(\x0c\x12\r\n\x05reset\x18\x04 \x01(\x08\"\"\n\x0cResidencyAck\x12\x12\n\nneed_reset\x18\x01 \x01(\x08\"2\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64rop\x18\x02 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"\x15\n\x13KVStoreStatsRequest\"\xaa\x02\n\x0cKVStoreStats\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nnum_pinned\x18\x04 \x01(\x05\x12\x12\n\nnum_leases\x18\x05 \x01(\x05\x12\x0c\n\x04puts\x18\x06 \x01(\x03\x12\x0c\n\x04gets\x18\x07 \x01(\x03\x12\x0c\n\x04hits\x18\x08 \x01(\x03\x12\x0e\n\x06misses\x18\t \x01(\x03\x12\x11\n\tevictions\x18\n \x01(\x03\x12\x10\n\x08\x62ytes_in\x18\x0b \x01(\x03\x12\x11\n\tbytes_out\x18\x0c \x01(\x03\x12\x14\n\x0c\x62\x61\x63kend_hits\x18\r \x01(\x03\x12\x16\n\x0e\x62\x61\x63kend_errors\x18\x0e \x01(\x03\x12\x12\n\nbackend_up\x18\x0f \x01(\x08\x32\xf8\x03\n\x07KVStore\x12I\n\tPutBlocks\x12\x1b.pdserve.v1.PutBlockRequest\x1a\x1d.pdserve.v1.PutBlocksResponse(\x01\x12@\n\tGetBlocks\x12\x1c.pdserve.v1.GetBlocksRequest\x1a\x13.pdserve.v1.KVBlock0\x01\x12?\n\x06Lookup\x12\x19.pdserve.v1.LookupRequest\x1a\x1a.pdserve.v1.LookupResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x42\n\x05Stats\x12\x1f.pdserve.v1.KVStoreStatsRequest\x1a\x18.pdserve.v1.KVStoreStats\x12H\n\x0fReportResidency\x12\x1b.pdserve.v1.ResidencyReport\x1a\x18.pdserve.v1.ResidencyAck\x12M\n\rAttachSegment\x12\x19.pdserve.v1.SharedSegment\x1a!.pdserve.v1.AttachSegmentResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUTBLOCKREQUEST']._serialized_start=40
-  _globals['_PUTBLOCKREQUEST']._serialized_end=111
-  _globals['_PUTBLOCKSRESPONSE']._serialized_start=113
-  _globals['_PUTBLOCKSRESPONSE']._serialized_end=191
-  _globals['_GETBLOCKSREQUEST']._serialized_start=193
-  _globals['_GETBLOCKSREQUEST']._serialized_end=253
-  _globals['_KVBLOCK']._serialized_start=255
-  _globals['_KVBLOCK']._serialized_end=315
-  _globals['_LOOKUPREQUEST']._serialized_start=317
-  _globals['_LOOKUPREQUEST']._serialized_end=378
-  _globals['_WORKERPREFIX']._serialized_start=380
-  _globals['_WORKERPREFIX']._serialized_end=436
-  _globals['_LOOKUPRESPONSE']._serialized_start=438
-  _globals['_LOOKUPRESPONSE']._serialized_end=539
-  _globals['_RESIDENCYREPORT']._serialized_start=541
-  _globals['_RESIDENCYREPORT']._serialized_end=624
-  _globals['_RESIDENCYACK']._serialized_start=626
-  _globals['_RESIDENCYACK']._serialized_end=660
-  _globals['_RELEASEREQUEST']._serialized_start=662
-  _globals['_RELEASEREQUEST']._serialized_end=712
-  _globals['_RELEASERESPONSE']._serialized_start=714
-  _globals['_RELEASERESPONSE']._serialized_end=749
-  _globals['_KVSTORESTATSREQUEST']._serialized_start=751
-  _globals['_KVSTORESTATSREQUEST']._serialized_end=772
-  _globals['_KVSTORESTATS']._serialized_start=775
-  _globals['_KVSTORESTATS']._serialized_end=1073
-  _globals['_KVSTORE']._serialized_start=1076
-  _globals['_KVSTORE']._serialized_end=1501
+  _globals['_SHAREDSEGMENT']._serialized_start=40
+  _globals['_SHAREDSEGMENT']._serialized_end=84
+  _globals['_ATTACHSEGMENTRESPONSE']._serialized_start=86
+  _globals['_ATTACHSEGMENTRESPONSE']._serialized_end=143
+  _globals['_PUTBLOCKREQUEST']._serialized_start=146
+  _globals['_PUTBLOCKREQUEST']._serialized_end=293
+  _globals['_PUTBLOCKSRESPONSE']._serialized_start=295
+  _globals['_PUTBLOCKSRESPONSE']._serialized_end=373
+  _globals['_GETBLOCKSREQUEST']._serialized_start=376
+  _globals['_GETBLOCKSREQUEST']._serialized_end=514
+  _globals['_KVBLOCK']._serialized_start=516
+  _globals['_KVBLOCK']._serialized_end=628
+  _globals['_LOOKUPREQUEST']._serialized_start=630
+  _globals['_LOOKUPREQUEST']._serialized_end=691
+  _globals['_WORKERPREFIX']._serialized_start=693
+  _globals['_WORKERPREFIX']._serialized_end=749
+  _globals['_LOOKUPRESPONSE']._serialized_start=751
+  _globals['_LOOKUPRESPONSE']._serialized_end=852
+  _globals['_RESIDENCYREPORT']._serialized_start=854
+  _globals['_RESIDENCYREPORT']._serialized_end=937
+  _globals['_RESIDENCYACK']._serialized_start=939
+  _globals['_RESIDENCYACK']._serialized_end=973
+  _globals['_RELEASEREQUEST']._serialized_start=975
+  _globals['_RELEASEREQUEST']._serialized_end=1025
+  _globals['_RELEASERESPONSE']._serialized_start=1027
+  _globals['_RELEASERESPONSE']._serialized_end=1062
+  _globals['_KVSTORESTATSREQUEST']._serialized_start=1064
+  _globals['_KVSTORESTATSREQUEST']._serialized_end=1085
+  _globals['_KVSTORESTATS']._serialized_start=1088
+  _globals['_KVSTORESTATS']._serialized_end=1386
+  _globals['_KVSTORE']._serialized_start=1389
+  _globals['_KVSTORE']._serialized_end=1893
 # @@protoc_insertion_point(module_scope)

@@ -6,15 +6,37 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SharedSegment(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: bytes
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class AttachSegmentResponse(_message.Message):
+    __slots__ = ("attached", "reason")
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    attached: bool
+    reason: str
+    def __init__(self, attached: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class PutBlockRequest(_message.Message):
-    __slots__ = ("request_id", "block_hash", "data")
+    __slots__ = ("request_id", "block_hash", "data", "segment", "offset", "length")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hash: bytes
     data: bytes
-    def __init__(self, request_id: _Optional[str] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    segment: SharedSegment
+    offset: int
+    length: int
+    def __init__(self, request_id: _Optional[str] = ..., block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PutBlocksResponse(_message.Message):
     __slots__ = ("stored", "already_present", "rejected")
@@ -27,22 +49,34 @@ class PutBlocksResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "block_hashes")
+    __slots__ = ("request_id", "block_hashes", "segment", "offset", "capacity")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    segment: SharedSegment
+    offset: int
+    capacity: int
+    def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., segment: _Optional[_Union[SharedSegment, _Mapping]] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class KVBlock(_message.Message):
-    __slots__ = ("block_hash", "data", "missing")
+    __slots__ = ("block_hash", "data", "missing", "in_segment", "offset", "length")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    IN_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     data: bytes
     missing: bool
-    def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ...) -> None: ...
+    in_segment: bool
+    offset: int
+    length: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., missing: _Optional[bool] = ..., in_segment: _Optional[bool] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("block_hashes", "with_residency")

@@ -65,6 +65,11 @@ class KVStoreStub:
                 request_serializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyReport.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyAck.FromString,
                 _registered_method=True)
+        self.AttachSegment = channel.unary_unary(
+                '/pdserve.v1.KVStore/AttachSegment',
+                request_serializer=pdserve_dot_v1_dot_kvstore__pb2.SharedSegment.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kvstore__pb2.AttachSegmentResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -114,6 +119,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachSegment(self, request, context):
+        """Maps the caller's staging segment of shared memory, if the store's host has it
+        (kvstore.shared_memory): block data then moves through it instead of inside messages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +159,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReportResidency,
                     request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyReport.FromString,
                     response_serializer=pdserve_dot_v1_dot_kvstore__pb2.ResidencyAck.SerializeToString,
+            ),
+            'AttachSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachSegment,
+                    request_deserializer=pdserve_dot_v1_dot_kvstore__pb2.SharedSegment.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kvstore__pb2.AttachSegmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class KVStore:
             '/pdserve.v1.KVStore/ReportResidency',
             pdserve_dot_v1_dot_kvstore__pb2.ResidencyReport.SerializeToString,
             pdserve_dot_v1_dot_kvstore__pb2.ResidencyAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVStore/AttachSegment',
+            pdserve_dot_v1_dot_kvstore__pb2.SharedSegment.SerializeToString,
+            pdserve_dot_v1_dot_kvstore__pb2.AttachSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,
