@@ -48,7 +48,7 @@ from decode.write_back import BlockWriteBack, WriteBackQueue
 from pdserve.drain import HANDOVER_FLUSH_S, Drain, HandedOver
 from pdserve.grpc_server import abort_on
 from pdserve.proto_convert import logprobs_to_proto, sampling_from_proto
-from pdserve.runtime.engine import AddRequest
+from pdserve.runtime.engine import AddRequest, StepOutput
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.worker_common import WORKER_ERROR_CODES, RequestLease, Worker
 
@@ -63,6 +63,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.prefetcher = BlockPrefetcher(worker)
         config = worker.config  # WorkerConfig: --kv-write-back, --residency-interval-s (and their env vars)
         self.write_back = config.kv_write_back if write_back is None else write_back
+        self.stream_interval = config.stream_interval
         interval = residency_interval_s or config.residency_interval_s
         self._tasks: set[asyncio.Task] = set()
         self.write_queue = WriteBackQueue(worker, self._spawn)  # every request's written-back blocks
@@ -93,6 +94,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         with self.drain.call():  # UNAVAILABLE at once while draining: the gateway goes elsewhere
             writer = BlockWriteBack(self.write_queue, rid, tokens) if self.write_back else None
             lease = RequestLease(self.worker, rid)  # ended once: when the KV is in our cache, or on leaving
+            unsent = UnsentTokens(self.stream_interval, request.local_prefill)
             imported, handed_over = False, False
             try:
                 blocks = await self.drain.unless_handed_over(lease.run(self.prefetcher.gather(rid, hashes)))
@@ -107,15 +109,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         if not imported:
                             imported = True
                             lease.end(drop=False)  # the KV is in our cache now
-                        new_tokens = [t for o in outs for t in o.new_token_ids]
                         if writer is not None:
-                            writer.extend(new_tokens)
-                        yield worker_pb2.DecodeChunk(
-                            token_ids=new_tokens, logprobs=logprobs_to_proto(lp for o in outs for lp in o.logprobs),
-                            finish_reason=outs[-1].finish_reason,
-                            cached_tokens=outs[0].cached_tokens if request.local_prefill else 0)
+                            writer.extend([t for o in outs for t in o.new_token_ids])
+                        unsent.extend(outs)
+                        if unsent.ready():
+                            yield unsent.take()
             except HandedOver:
                 handed_over = True
+                if unsent.outputs:  # what the gateway has not seen: the worker resuming it goes on after it
+                    yield unsent.take()
                 if writer is not None:  # so that the worker resuming it finds every full block
                     await writer.flush(HANDOVER_FLUSH_S)
                 raise
@@ -157,6 +159,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
                     ) -> worker_pb2.WorkerStats:
         return self.worker.stats()
+
+
+class UnsentTokens:
+    """A stream's step outputs not yet sent: sent as one chunk once they hold `interval` tokens
+    (`--stream-interval`), and at once when the first token or the end is among them.
+
+    Why: at 32 streams every chunk is a message the decode worker's event loop sends, the gateway
+    receives, detokenizes and forwards, each taking its turn on cores the engine steps need;
+    vLLM's and SGLang's `--stream-interval` make the same trade (fewer, larger messages; text
+    arrives in bursts of that many tokens)."""
+
+    def __init__(self, interval: int, local_prefill: bool) -> None:
+        self.interval = interval
+        self.local_prefill = local_prefill
+        self.outputs: list[StepOutput] = []
+        self._sent_any = False
+
+    def extend(self, outs: list[StepOutput]) -> None:
+        self.outputs.extend(outs)
+
+    def ready(self) -> bool:
+        tokens = sum(len(o.new_token_ids) for o in self.outputs)
+        return not self._sent_any or tokens >= self.interval or bool(self.outputs[-1].finish_reason)
+
+    def take(self) -> worker_pb2.DecodeChunk:
+        outs, self.outputs, self._sent_any = self.outputs, [], True
+        return worker_pb2.DecodeChunk(
+            token_ids=[t for o in outs for t in o.new_token_ids],
+            logprobs=logprobs_to_proto(lp for o in outs for lp in o.logprobs),
+            finish_reason=outs[-1].finish_reason,
+            cached_tokens=outs[0].cached_tokens if self.local_prefill else 0)
 
 
 def add_to_server(worker: Worker, server: grpc.aio.Server) -> DecodeServicer:

@@ -26,7 +26,7 @@ SHARED_MEMORY_ENV = "PDSERVE_KV_SHARED_MEMORY_MB"
 DRAIN_TIMEOUT_ENV = "PDSERVE_DRAIN_TIMEOUT_S"
 # Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
 ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
-DECODE_ONLY = ("kv_write_back", "residency_interval_s", "decode_yield_s")  # settings a prefill worker has no use for
+DECODE_ONLY = ("kv_write_back", "residency_interval_s", "decode_yield_s", "stream_interval")  # settings a prefill worker has no use for
 
 
 def check_decode_yield_ms(ms: float) -> None:
@@ -83,6 +83,8 @@ class WorkerConfig(FromFlags):
                                     "computes and this worker's batch has room, leave the cores to it up to "
                                     "this long after each step (0: never)", flag="--decode-yield-ms",
                                     scale=1e3, metavar="MS")
+    stream_interval: int = setting(1, "decode: tokens a stream's chunk holds before it is sent (the first "
+                                   "token and the last go at once; vLLM's --stream-interval)", metavar="N")
     log_level: str = setting("INFO", "logging level", env=LOG_LEVEL_ENV, metavar="LEVEL")
     process: ProcessConfig = nested(ProcessConfig, "TLS, internal token, tracing and /metrics")
 
@@ -93,6 +95,8 @@ class WorkerConfig(FromFlags):
         if not self.residency_interval_s > 0:
             raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
                              f"got {self.residency_interval_s:g}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1 token, got {self.stream_interval}")
         if not 0 <= self.kv_shared_memory_mb <= 65536:  # also refuses NaN
             raise ValueError(f"--kv-shared-memory-mb must be in [0, 65536] MiB (0: off), got {self.kv_shared_memory_mb:g}")
         if not self.drain_timeout_s >= 0:  # also refuses NaN

@@ -198,6 +198,7 @@ STACK_MODULES = {
     "test_session_prefetch_stack.py",  # stack + redis-server, session prefetch
     "test_smollm2_stack.py",  # SmolLM2 through the stack over gRPC and HTTP
     "test_stack.py",  # parity, batching, cancellation through a 2+2 stack
+    "test_stream_interval.py",  # a stack streaming every token beside one with --stream-interval 4
     "test_stack_faults.py",  # prefill / decode / gateway SIGKILLed mid-stream
     "test_up_supervisor.py",  # `pdserve up` and the Supervisor with real children
     "test_tensor_parallel.py",  # gloo ranks in real processes

@@ -74,6 +74,7 @@ BAD_VALUES = [
     (lambda: KVStoreConfig(backend_timeout_s=0), "--backend-timeout-ms"),
     (lambda: WorkerConfig(residency_interval_s=0), "--residency-interval-s"),
     (lambda: WorkerConfig(kv_shared_memory_mb=-1), "--kv-shared-memory-mb"),
+    (lambda: WorkerConfig(stream_interval=0), "--stream-interval"),
     (lambda: WorkerConfig(batch_window_s=-1), "--batch-window-ms"),
     (lambda: WorkerConfig(decode_yield_s=float("nan")), "--decode-yield-ms"),
     (lambda: WorkerConfig(engine_fault_after_steps=-1), "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"),

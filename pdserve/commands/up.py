@@ -106,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the decode workers' stages when they differ (default: --pipeline-parallel-size)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
-    add_flags(p, WorkerConfig, only=("decode_yield_s",))  # forwarded to the decode workers (`_decode_flags`)
+    add_flags(p, WorkerConfig, only=("decode_yield_s", "stream_interval"))  # to the decode workers (`_decode_flags`)
     add_speculative_args(p)  # decode workers' --speculative-ngram, --speculative-max-batch
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
     p.add_argument("--max-batched-tokens", type=int, default=0,
@@ -260,11 +260,11 @@ def cluster_secret_env(environ: Mapping[str, str], internal_token: bool = True) 
 
 
 def _decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """What only decode workers take: the batch size, speculative decoding, and the one-call decode
-    step's threads (--step-threads)."""
+    """What only decode workers take: the batch size, speculative decoding, the one-call decode
+    step's threads (--step-threads), the yield to prefill and the stream interval."""
     return ("--max-batch-size", str(args.max_batch_size), "--speculative-ngram", str(args.speculative_ngram),
             "--speculative-max-batch", str(args.speculative_max_batch), "--step-threads", str(args.step_threads),
-            "--decode-yield-ms", f"{args.decode_yield_ms:g}")
+            "--decode-yield-ms", f"{args.decode_yield_ms:g}", "--stream-interval", str(args.stream_interval))
 
 
 def wide_threads(args: argparse.Namespace, cores: int | None = None, kind: str = "decode") -> int:
@@ -442,6 +442,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
         check_decode_yield_ms(args.decode_yield_ms)  # forwarded to the decode workers, which would refuse it
     except ValueError as err:
         return str(err)
+    if args.stream_interval < 1:  # forwarded to the decode workers, which would refuse it
+        return f"--stream-interval must be at least 1 token, got {args.stream_interval}"
     if not 0 < args.grpc_port < 65536:
         return f"--grpc-port must be in 1..65535, got {args.grpc_port}"
     if not 0 <= args.http_port < 65536:
