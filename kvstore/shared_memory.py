@@ -158,6 +158,7 @@ class AttachedSegments:
                 raise SegmentError(f"segment {name!r}: wrong token")
             self._maps.move_to_end(name)
             return held[1]
+        self._unmap_removed()
         segment = self._map_file(name, token)
         self._maps[name] = (token, segment)
         if len(self._maps) > MAX_ATTACHED:
@@ -173,6 +174,12 @@ class AttachedSegments:
         segment = self.attach(name, token)
         start = self._checked(segment, name, offset, len(data))
         segment[start:start + len(data)] = data
+
+    def _unmap_removed(self) -> None:
+        """Unmap the segments whose file is gone (their worker closed, or died and a later one removed
+        it): a worker restarted again and again would otherwise leave its old pages held here."""
+        for name in [n for n in self._maps if not (self.directory / n).exists()]:
+            self._maps.pop(name)[1].close()
 
     def close(self) -> None:
         for _, segment in self._maps.values():

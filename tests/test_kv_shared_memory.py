@@ -185,3 +185,16 @@ def test_region_allocator_first_fit_and_merging() -> None:
     assert regions.largest_free() == 60
     regions.free(c, 30)  # merges both sides into one range again
     assert regions._free == [(0, 100)] and regions.reserve(100) == 0
+
+
+def test_the_store_unmaps_segments_whose_file_is_gone(tmp_path: Path) -> None:
+    segments = AttachedSegments(tmp_path)
+    first, second = StagingSegment(4096, tmp_path), StagingSegment(4096, tmp_path)
+    try:
+        segments.attach(first.name, first.token)
+        first.close()  # its worker closed (or died and a later one removed the file)
+        segments.attach(second.name, second.token)
+        assert list(segments._maps) == [second.name]
+    finally:
+        second.close()
+        segments.close()
