@@ -59,19 +59,22 @@ class StagingSegment:
         self.name = f"pdserve-kv-{os.getpid()}-{secrets.token_hex(16)}"
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.path = directory / self.name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        # Made under a name the sweep of another worker starting now ignores, and renamed once locked.
+        draft = directory / f".{self.name}.new"
+        fd = os.open(draft, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held while we live (see remove_stale_segments)
             # Reserved now: pages of a sparse file past a full tmpfs (a container's 64 MB /dev/shm)
             # would kill the process with SIGBUS when first written, where this fails with ENOSPC.
             os.posix_fallocate(fd, 0, AREA_OFFSET + area_bytes)
             self._map = mmap.mmap(fd, AREA_OFFSET + area_bytes)
+            self._map[:len(MAGIC) + TOKEN_BYTES] = MAGIC + self.token
+            os.rename(draft, self.path)
         except BaseException:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            draft.unlink(missing_ok=True)
             raise
         self._fd = fd
-        self._map[:len(MAGIC) + TOKEN_BYTES] = MAGIC + self.token
         self.regions = RegionAllocator(area_bytes)
 
     def write(self, offset: int, data: bytes) -> None:
