@@ -26,7 +26,8 @@ SHARED_MEMORY_ENV = "PDSERVE_KV_SHARED_MEMORY_MB"
 DRAIN_TIMEOUT_ENV = "PDSERVE_DRAIN_TIMEOUT_S"
 # Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
 ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
-DECODE_ONLY = ("kv_write_back", "residency_interval_s", "decode_yield_s", "stream_interval")  # settings a prefill worker has no use for
+# Settings a prefill worker has no use for.
+DECODE_ONLY = ("kv_write_back", "residency_interval_s", "decode_yield_s", "stream_interval")
 
 
 def check_decode_yield_ms(ms: float) -> None:
@@ -34,6 +35,13 @@ def check_decode_yield_ms(ms: float) -> None:
     before it starts any."""
     if not ms >= 0:
         raise ValueError(f"--decode-yield-ms must be >= 0 (0: never yield), got {ms:g}")
+
+
+def check_stream_interval(tokens: int) -> None:
+    """--stream-interval must be at least 1: a decode worker's check, and `pdserve up`'s before it
+    starts any."""
+    if tokens < 1:
+        raise ValueError(f"--stream-interval must be at least 1 token, got {tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +103,10 @@ class WorkerConfig(FromFlags):
         if not self.residency_interval_s > 0:
             raise ValueError(f"--residency-interval-s / {RESIDENCY_INTERVAL_ENV} must be > 0 seconds, "
                              f"got {self.residency_interval_s:g}")
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be at least 1 token, got {self.stream_interval}")
+        check_stream_interval(self.stream_interval)
         if not 0 <= self.kv_shared_memory_mb <= 65536:  # also refuses NaN
-            raise ValueError(f"--kv-shared-memory-mb must be in [0, 65536] MiB (0: off), got {self.kv_shared_memory_mb:g}")
+            raise ValueError(f"--kv-shared-memory-mb must be in [0, 65536] MiB (0: off), "
+                             f"got {self.kv_shared_memory_mb:g}")
         if not self.drain_timeout_s >= 0:  # also refuses NaN
             raise ValueError(f"--drain-timeout-s / {DRAIN_TIMEOUT_ENV} must be >= 0 seconds, "
                              f"got {self.drain_timeout_s:g}")

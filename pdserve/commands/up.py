@@ -435,15 +435,14 @@ def _refusal(args: argparse.Namespace) -> str | None:
             return f"--model {resolve_model_path(args.model)}: no such file or directory"
     except ModelLoadError as err:
         return str(err)
-    from pdserve.worker_config import check_decode_yield_ms
+    from pdserve.worker_config import check_decode_yield_ms, check_stream_interval
 
     try:
         _check_gateway_settings(args)
-        check_decode_yield_ms(args.decode_yield_ms)  # forwarded to the decode workers, which would refuse it
+        check_decode_yield_ms(args.decode_yield_ms)  # forwarded to the decode workers, which would refuse them
+        check_stream_interval(args.stream_interval)
     except ValueError as err:
         return str(err)
-    if args.stream_interval < 1:  # forwarded to the decode workers, which would refuse it
-        return f"--stream-interval must be at least 1 token, got {args.stream_interval}"
     if not 0 < args.grpc_port < 65536:
         return f"--grpc-port must be in 1..65535, got {args.grpc_port}"
     if not 0 <= args.http_port < 65536:
