@@ -64,12 +64,12 @@ class KVStoreClient:
     async def put_blocks(self, request_id: str, blocks: Iterable[tuple[bytes, bytes]]) -> PutResult:
         """Upload (hash, wire data) pairs in one stream, pinned under `request_id` ("" = unpinned)."""
         blocks = list(blocks)
-        attached = await self._staging.ready()
-        if attached is None:
+        segment = await self._staging.ready()
+        if segment is None:
             return await self._put(request_id, blocks, None)
-        segment, regions = attached[0], []
+        regions: list[tuple[int, int]] = []
         try:
-            result = await self._put(request_id, blocks, (*attached, regions))
+            result = await self._put(request_id, blocks, (segment, regions))
         except grpc.aio.AioRpcError as exc:
             self._staging.retire(segment, regions)
             if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
@@ -84,10 +84,11 @@ class KVStoreClient:
         return result
 
     async def _put(self, request_id: str, blocks: list[tuple[bytes, bytes]],
-                   staging: tuple[StagingSegment, kvstore_pb2.SharedSegment, list[tuple[int, int]]] | None
-                   ) -> PutResult:
+                   staging: tuple[StagingSegment, list[tuple[int, int]]] | None) -> PutResult:
         """One PutBlocks stream; with `staging`, each block that finds room goes through the segment
         (its region appended to the list)."""
+        named = segment_message(staging[0]) if staging else None
+
         async def requests() -> AsyncIterator[kvstore_pb2.PutBlockRequest]:
             for block_hash, data in blocks:
                 offset = staging[0].regions.reserve(len(data)) if staging else None
@@ -95,12 +96,12 @@ class KVStoreClient:
                     self._staging.seen(len(data), staged=False)
                     yield kvstore_pb2.PutBlockRequest(request_id=request_id, block_hash=block_hash, data=data)
                     continue
-                segment, message, regions = staging
+                segment, regions = staging
                 regions.append((offset, len(data)))
                 self._staging.seen(len(data), staged=True)
                 segment.write(offset, data)
                 yield kvstore_pb2.PutBlockRequest(request_id=request_id, block_hash=block_hash,
-                                                  segment=message, offset=offset, length=len(data))
+                                                  segment=named, offset=offset, length=len(data))
 
         response = await self._stub.PutBlocks(requests(), timeout=self.timeout_s)
         return PutResult(response.stored, response.already_present, response.rejected)
@@ -112,11 +113,10 @@ class KVStoreClient:
         A non-empty `request_id` pins the returned blocks under that lease.
         """
         request = kvstore_pb2.GetBlocksRequest(request_id=request_id, block_hashes=hashes)
-        attached = await self._staging.ready()
-        segment = attached[0] if attached is not None else None
+        segment = await self._staging.ready()
         region = self._staging.reserve_for(segment, len(hashes)) if segment is not None else None
         if region is not None:
-            request.segment.CopyFrom(attached[1])
+            request.segment.CopyFrom(segment_message(segment))
             request.offset, request.capacity = region
         call = self._stub.GetBlocks(request, timeout=self.timeout_s)
         count, ended = 0, False
@@ -207,6 +207,11 @@ class KVStoreClient:
         await self.close()
 
 
+def segment_message(segment: StagingSegment) -> kvstore_pb2.SharedSegment:
+    """The message naming `segment` to the store."""
+    return kvstore_pb2.SharedSegment(name=segment.name, token=segment.token)
+
+
 class StagingLink:
     """A client's staging segment (kvstore.shared_memory) and whether its store uses it: created and
     attached at the first transfer; off for good when the store cannot map it."""
@@ -221,19 +226,18 @@ class StagingLink:
         self.directory = directory
         self.timeout_s = timeout_s
         self.segment: StagingSegment | None = None
-        self.message = kvstore_pb2.SharedSegment()
         self._off = area_bytes <= 0
         self._lock = asyncio.Lock()
         self._block_bytes = 0  # the largest block moved so far
         self.blocks_moved = 0  # through the segment, puts and gets
 
-    async def ready(self) -> tuple[StagingSegment, kvstore_pb2.SharedSegment] | None:
-        """The attached segment and the message naming it, or None: block data goes inline."""
+    async def ready(self) -> StagingSegment | None:
+        """The attached segment, or None: block data goes inline."""
         if self.segment is None and not self._off:
             async with self._lock:
                 if self.segment is None and not self._off:
                     await self._attach()
-        return None if self.segment is None else (self.segment, self.message)
+        return self.segment
 
     async def _attach(self) -> None:
         try:
@@ -241,9 +245,8 @@ class StagingLink:
         except OSError as exc:
             self._turn_off(f"no staging segment in {self.directory}: {exc}")
             return
-        message = kvstore_pb2.SharedSegment(name=segment.name, token=segment.token)
         try:
-            response = await self._stub.AttachSegment(message, timeout=self.timeout_s)
+            response = await self._stub.AttachSegment(segment_message(segment), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             segment.close()
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a store from before shared memory
@@ -253,7 +256,7 @@ class StagingLink:
             segment.close()
             self._turn_off(response.reason)
             return
-        self.segment, self.message = segment, message
+        self.segment = segment
         log.info("KV blocks to and from %s go through shared memory (%s, %d MiB)",
                  self.target, segment.path, self.area_bytes >> 20)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore.client import KVStoreClient, PutResult
+from kvstore.client import KVStoreClient, PutResult, segment_message
 from kvstore.service import SERVICE_NAME, KVStoreServicer
 from kvstore.shared_memory import AREA_OFFSET, AttachedSegments, RegionAllocator, StagingSegment
 from kvstore.store import MemoryBlockStore
@@ -130,7 +130,7 @@ def test_a_caller_without_the_token_cannot_use_a_segment(tmp_path: Path) -> None
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.PutBlocks(iter(requests))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "wrong token" in err.value.details()
-            outside = kvstore_pb2.GetBlocksRequest(block_hashes=[BLOCKS[0][0]], segment=staged._staging.message,
+            outside = kvstore_pb2.GetBlocksRequest(block_hashes=[BLOCKS[0][0]], segment=segment_message(segment),
                                                    offset=segment.regions.size, capacity=BLOCK_BYTES)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.GetBlocks(outside):

@@ -13,11 +13,11 @@
 // the order of the fp32 sums differs from oneDNN's. Computed as one fma, which is the same: the
 // product of q - 8 (4 bits) and a bf16 scale (8) is exact in fp32, so the multiply never rounds and
 // the fma's one rounding is the add's (a block's widening, the kernel's main cost, 12 % faster).
-// The codes come laid out for the tiles
-// (`int4_cpu.AmxForm`): for each block of 16 output rows and 32 inputs (one group each), 16 lines of
-// 16 bytes, one a row of the weight's tile (`dequantize_block`). Scales and zeros are read where
-// torch's int4 kernel reads them (`Int4Linear.scales_and_zeros`, [K / 32, N, 2] bf16): a block's 16
-// (scale, zero) pairs are 64 contiguous bytes.
+// The codes come laid out for the tiles (`int4_cpu.AmxForm`): for each block of 16 output rows and
+// 32 inputs (one group each), 16 lines of 16 bytes, one a row of the weight's tile
+// (`dequantize_block`). Scales and zeros are read where torch's int4 kernel reads them
+// (`Int4Linear.scales_and_zeros`, [K / 32, N, 2] bf16): a block's 16 (scale, zero) pairs are 64
+// contiguous bytes.
 #define _GNU_SOURCE  // syscall(), for arch_prctl
 #include <stdint.h>
 #include <stdlib.h>
