@@ -176,3 +176,30 @@ def test_a_partial_blocks_rows_past_the_prompt_leave_as_zeros(make_engine, hf):
     assert tail.num_tokens == 13 and not tail.data[:, :, 13:].any()
     for a, b in zip(exported["used"], exported["fresh"], strict=True):
         assert a.hash == b.hash and torch.equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
+def test_block_copy_equals_torch_copy_in_every_kv_dtype(dtype):
+    from pdserve.runtime.kv_transfer import clone_block, copy_block
+
+    cache = torch.randn(4, 3, 2, 16, 2, 8).to(dtype)  # [blocks, layers, 2, rows, KVH, D]
+    src = torch.randn(3, 2, 16, 2, 8).to(dtype)
+    reference = cache.clone()
+    reference[2].copy_(src)
+    copy_block(cache[2], src)
+    assert torch.equal(cache.view(torch.uint8), reference.view(torch.uint8))  # bytes: fp8 has no ==
+    copied = clone_block(cache[1])
+    assert copied.data_ptr() != cache[1].data_ptr()
+    assert torch.equal(copied.view(torch.uint8), cache[1].view(torch.uint8))
+
+
+def test_block_copy_takes_torch_copy_for_a_strided_or_converting_block():
+    from pdserve.runtime.kv_transfer import copy_block
+
+    dst = torch.zeros(2, 4, 8)
+    strided = torch.randn(2, 8, 4).transpose(1, 2)  # not contiguous
+    copy_block(dst, strided)
+    assert torch.equal(dst, strided)
+    halves = torch.randn(2, 4, 8).to(torch.bfloat16)
+    copy_block(dst, halves)  # bf16 into fp32: converted, as copy_ does
+    assert torch.equal(dst, halves.float())

@@ -32,8 +32,8 @@ from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.grammar import GrammarCompiler, GrammarMatcher
 from pdserve.runtime.kv_cache import allocate_kv_cache
 from pdserve.runtime.kv_format import KVFormat
-from pdserve.runtime.kv_transfer import (ExportedBlock, KVFormatError, export_cached_blocks, export_prompt_blocks,
-                                         place_cached_blocks)
+from pdserve.runtime.kv_transfer import (ExportedBlock, KVFormatError, copy_block, export_cached_blocks,
+                                         export_prompt_blocks, place_cached_blocks)
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.pins import Owner, PinTable, request_owner
@@ -384,7 +384,7 @@ class Engine:
         """KV from elsewhere into the blocks the scheduler gave it; the pins the admitted sequences
         took over (their own, and the holds on blocks they now reference) are dropped."""
         for load in out.loads:
-            self.kv_cache[load.block_id].copy_(load.data)
+            copy_block(self.kv_cache[load.block_id], load.data)
         for seq in out.admitted:
             self.pins.unpin(request_owner(seq.request_id))
             self.pins.claim(seq.block_hashes)
