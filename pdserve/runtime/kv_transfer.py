@@ -48,19 +48,26 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
     its core with the host's other processes, so each copy also waits for it. Through the stack at
     32 streams a decode worker's exports took 0.6 ms of its engine thread's CPU a block that way
     against 0.17 now (0.30 -> 0.09 s a run), and the steps wait while it exports."""
-    if not (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
-            and dst.is_contiguous() and src.is_contiguous()):
-        dst.copy_(src)  # a device's cache, or a conversion: torch's copy
+    if not (_host_block(dst) and _host_block(src) and dst.dtype == src.dtype and dst.shape == src.shape):
+        dst.copy_(src)  # a device's cache, a conversion, a parallel engine's block (kv_shard.CanonicalBlock)
         return
     # Bytes, so that every KV dtype (bf16, fp8) has a numpy view; numpy copies on this thread.
     dst.view(torch.uint8).numpy()[...] = src.view(torch.uint8).numpy()
 
 
 def clone_block(src: torch.Tensor) -> torch.Tensor:
-    """A copy of one contiguous block, made as `copy_block` does."""
+    """A copy of one block, made as `copy_block` does where it can."""
+    if not _host_block(src):
+        return src.clone()
     out = torch.empty_like(src)
     copy_block(out, src)
     return out
+
+
+def _host_block(block: object) -> bool:
+    """Whether `block` is a contiguous tensor in host memory (not a device's, nor a parallel
+    engine's `kv_shard.CanonicalBlock`, which gathers or scatters across ranks)."""
+    return isinstance(block, torch.Tensor) and block.device.type == "cpu" and block.is_contiguous()
 
 
 def export_prompt_blocks(engine: Engine, seq: Sequence, skip: Collection[bytes] = ()) -> list[ExportedBlock]:
