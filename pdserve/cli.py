@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "generate",
     "bench_engine",
     "bench_stack",
+    "step_log",
     "up",
     "scale",
     "gateway",

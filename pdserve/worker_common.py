@@ -13,6 +13,7 @@ import time
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -25,6 +26,7 @@ from pdserve.kvwire import encode_block
 from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.async_engine import AsyncEngine, EngineDeadError
 from pdserve.runtime.engine import QueueFullError
+from pdserve.runtime.step_log import StepLog
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.v1 import worker_pb2
 from pdserve.worker_config import ENGINE_FAULT_ENV, WorkerConfig  # noqa: F401 (ENGINE_FAULT_ENV: re-exported)
@@ -205,7 +207,8 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
              engine.kv_format.block_size)
     aengine = AsyncEngine(engine, batch_window_s=config.batch_window_s,
                           max_streams=args.max_waiting + args.max_batch_size, threads=threads,
-                          cores=_core_share_side(args, config, engine, threads)).start()
+                          cores=_core_share_side(args, config, engine, threads),
+                          step_log=_step_log(args, config)).start()
     if config.engine_fault_after_steps:
         aengine.inject_fault_for_tests(config.engine_fault_after_steps)
     worker_id = config.worker_id or f"{socket.gethostname()}:{config.bind.rsplit(':', 1)[-1]}"
@@ -213,6 +216,21 @@ def make_worker(args: argparse.Namespace, config: WorkerConfig) -> Worker:
                        shared_memory_bytes=int(config.kv_shared_memory_mb * 2**20))
     return Worker(worker_id, aengine, kv, engine.kv_format, TransferCounters(), mac_key=config.kv_mac_key,
                   config=config)
+
+
+def _step_log(args: argparse.Namespace, config: WorkerConfig) -> StepLog | None:
+    """This worker's step log (--step-log-dir), or None: off, or a file it cannot write (a measurement:
+    the worker serves without it, and says why)."""
+    if not config.step_log_dir:
+        return None
+    path = Path(config.step_log_dir) / f"{getattr(args, 'worker_role', '') or 'worker'}-{os.getpid()}.jsonl"
+    try:
+        step_log = StepLog(path)
+    except OSError as err:
+        log.warning("step log %s unavailable (%s): serving without it", path, err)
+        return None
+    log.info("step log: %s", path)
+    return step_log
 
 
 def _core_share_side(args: argparse.Namespace, config: WorkerConfig, engine, threads: int):

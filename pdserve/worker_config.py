@@ -24,6 +24,7 @@ WRITE_BACK_ENV = "PDSERVE_KV_WRITE_BACK"  # "0" turns the write-back of generate
 RESIDENCY_INTERVAL_ENV = "PDSERVE_RESIDENCY_INTERVAL_S"
 SHARED_MEMORY_ENV = "PDSERVE_KV_SHARED_MEMORY_MB"
 DRAIN_TIMEOUT_ENV = "PDSERVE_DRAIN_TIMEOUT_S"
+STEP_LOG_DIR_ENV = "PDSERVE_STEP_LOG_DIR"
 # Tests only: the worker's engine fails its step after this many steps (a stand-in for an engine bug).
 ENGINE_FAULT_ENV = "PDSERVE_TEST_ENGINE_FAULT_AFTER_STEPS"
 # Settings a prefill worker has no use for.
@@ -93,6 +94,10 @@ class WorkerConfig(FromFlags):
                                     scale=1e3, metavar="MS")
     stream_interval: int = setting(1, "decode: tokens a stream's chunk holds before it is sent (the first "
                                    "token and the last go at once; vLLM's --stream-interval)", metavar="N")
+    step_log_dir: str = setting("", "write one JSON line per engine step (wall and CPU ms, threads, sequences "
+                                "decoded, prompt tokens, KV blocks loaded) to DIR/<kind>-<pid>.jsonl; "
+                                "`pdserve step-log` summarizes them (empty: off)", env=STEP_LOG_DIR_ENV,
+                                metavar="DIR")
     log_level: str = setting("INFO", "logging level", env=LOG_LEVEL_ENV, metavar="LEVEL")
     process: ProcessConfig = nested(ProcessConfig, "TLS, internal token, tracing and /metrics")
 

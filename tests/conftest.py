@@ -223,6 +223,7 @@ STACK_TESTS = {
     "test_bench_disagg.py::test_tiny_run_on_real_stacks",  # `pdserve bench-disagg`: two stacks
     "test_bench_overload.py::test_bench_overload_runs_both_gateways",  # `pdserve bench-overload`: a stack
     "test_bench_stack.py::test_tiny_run_on_a_real_stack",  # `pdserve bench-stack`: a stack
+    "test_step_log.py::test_a_stacks_step_logs_hold_what_it_served",  # start_stack with step logs
     "test_cli_flags.py::test_max_model_len_over_the_window_is_one_line",  # `pdserve gateway` / `up` subprocesses
     "test_http_api.py::test_up_refuses_a_busy_http_port_and_reports_off",  # `pdserve up` subprocess
     "test_kv_int8.py::test_stack_with_int8_kv_equals_in_process_int8_engine",  # start_stack --kv-dtype int8

@@ -73,6 +73,7 @@ from pdserve.runtime import compute_threads, engine_metrics
 from pdserve.runtime.engine import AddRequest, Engine, EngineLoad, QueueFullError, RequestError, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
 from pdserve.runtime.pins import Owner
+from pdserve.runtime.step_log import StepLog, StepRecord
 
 if TYPE_CHECKING:
     from pdserve.runtime.core_share import WorkerCores
@@ -92,14 +93,17 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine, batch_window_s: float = 0.002, max_streams: int | None = None,
-                 threads: int | None = None, cores: WorkerCores | None = None) -> None:
+                 threads: int | None = None, cores: WorkerCores | None = None,
+                 step_log: StepLog | None = None) -> None:
         """threads: torch CPU threads the engine thread claims for itself (a worker process, whose
         other threads run torch single-threaded: pdserve.runtime.compute_threads); None leaves
         the process's count. cores: this worker's side of the host's core share
-        (pdserve.runtime.core_share), told before each step and when the engine idles."""
+        (pdserve.runtime.core_share), told before each step and when the engine idles. step_log:
+        where each step's record goes (pdserve.runtime.step_log), written on the engine thread."""
         self.engine = engine
         self.threads = threads
         self.cores = cores
+        self.step_log = step_log
         self.batch_window_s = batch_window_s
         self.max_streams = max_streams  # None: only the engine's waiting queue bounds requests
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -330,6 +334,8 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.05)
             engine_metrics.refresh_gauges(self.engine)
             self._load = self.engine.load()
+        if self.step_log is not None:
+            self.step_log.close()
         self._fail_all(EngineDeadError("the engine stopped"))
 
     def _yielding(self) -> bool:
@@ -365,6 +371,7 @@ class AsyncEngine:
             self._maybe_inject_fault()
             if self.cores is not None:
                 self.cores.before_step()
+            step_start, cpu_start = time.perf_counter(), time.thread_time()
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a bug must fail requests, not hang them
             log.exception("engine step failed; aborting its requests")
@@ -372,6 +379,8 @@ class AsyncEngine:
             for request_id in list(self.engine.seqs):
                 self.engine.abort(request_id)
             return True
+        if self.step_log is not None:
+            self._log_step(step_start, cpu_start)
         self._record_step(outputs, counts_before, start, start_ns)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
         for out in outputs:
@@ -381,6 +390,15 @@ class AsyncEngine:
         for loop, deliveries in by_loop.items():  # one wake-up of each loop per step
             loop.call_soon_threadsafe(_deliver, deliveries)
         return self.engine.stats.steps != steps_before
+
+    def _log_step(self, start: float, cpu_start: float) -> None:
+        shape = self.engine.last_step
+        if not (shape.decodes or shape.prompt_tokens):
+            return  # nothing was schedulable
+        threads = self.cores.threads if self.cores is not None else torch.get_num_threads()
+        self.step_log.record(StepRecord(start, round((time.perf_counter() - start) * 1e3, 3),
+                                        round((time.thread_time() - cpu_start) * 1e3, 3), threads,
+                                        shape.decodes, shape.prompt_tokens, shape.loads))
 
     def _maybe_inject_fault(self) -> None:
         if self._fault_at_step is not None and self.engine.stats.steps >= self._fault_at_step:
