@@ -34,7 +34,7 @@ class StepShape:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    start_s: float  # time.perf_counter() when the step began (one clock per process)
+    start_s: float  # time.perf_counter() when the step began (CLOCK_MONOTONIC on Linux: one host's logs line up)
     wall_ms: float  # the step's wall time (Engine.step)
     cpu_ms: float  # the engine thread's CPU time during it (its own share of the work, and any spinning)
     threads: int  # torch threads the step began on
