@@ -392,13 +392,13 @@ class AsyncEngine:
         return self.engine.stats.steps != steps_before
 
     def _log_step(self, start: float, cpu_start: float) -> None:
-        shape = self.engine.last_step
-        if not (shape.decodes or shape.prompt_tokens):
+        out = self.engine.last_schedule
+        if out.is_empty:
             return  # nothing was schedulable
         threads = self.cores.threads if self.cores is not None else torch.get_num_threads()
         self.step_log.record(StepRecord(start, round((time.perf_counter() - start) * 1e3, 3),
-                                        round((time.thread_time() - cpu_start) * 1e3, 3), threads,
-                                        shape.decodes, shape.prompt_tokens, shape.loads))
+                                        round((time.thread_time() - cpu_start) * 1e3, 3), threads, len(out.decodes),
+                                        sum(s.num_new_tokens for s in out.prefills), len(out.loads)))
 
     def _maybe_inject_fault(self) -> None:
         if self._fault_at_step is not None and self.engine.stats.steps >= self._fault_at_step:

@@ -42,7 +42,6 @@ from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pdserve.runtime.sequence import ExternalKV, Sequence, SequenceStatus, TokenLogprob
 from pdserve.runtime.speculative import NgramProposer, SpeculativeConfig
-from pdserve.runtime.step_log import StepShape
 
 if TYPE_CHECKING:
     from pdserve.runtime.tokenizer import Tokenizer
@@ -152,7 +151,7 @@ class Engine:
         self.stats = EngineStats(batch_size_counts={})
         self.weight_format = "dense"  # what the projections are ("int4"/"packed": codes; set by from_checkpoint)
         self.keep_logits = False  # tests and debugging: keep the last step's logits
-        self.last_step = StepShape()  # what the last step computed (the worker's --step-log-dir)
+        self.last_schedule = SchedulerOutput()  # what the last step computed (the worker's --step-log-dir)
         # [R, V], rows in the order of step()'s outputs (1 + len(draft) rows for a speculative one)
         self.last_logits: torch.Tensor | None = None
 
@@ -319,7 +318,7 @@ class Engine:
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
-        self.last_step = StepShape(len(out.decodes), sum(s.num_new_tokens for s in out.prefills), len(out.loads))
+        self.last_schedule = out
         if out.is_empty:
             return []
         self._admitted(out)

@@ -24,15 +24,6 @@ BATCH_BUCKET = 4  # decode-only steps are summarized by batch size in buckets of
 
 
 @dataclass(frozen=True, slots=True)
-class StepShape:
-    """What one engine step computed: sequences that decoded a token, prompt tokens, KV blocks loaded."""
-
-    decodes: int = 0
-    prompt_tokens: int = 0
-    loads: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class StepRecord:
     start_s: float  # time.perf_counter() when the step began (CLOCK_MONOTONIC on Linux: one host's logs line up)
     wall_ms: float  # the step's wall time (Engine.step)
@@ -89,27 +80,25 @@ def summarize(records: Iterable[StepRecord]) -> dict:
     if not recs:
         return {"steps": 0}
     span_s = recs[-1].start_s + recs[-1].wall_ms / 1e3 - recs[0].start_s
-    groups: dict[tuple[str, int], list[StepRecord]] = defaultdict(list)
+    # (0, first batch size of the bucket, threads) for decode-only steps, (1, 0, threads) for prompt steps:
+    # the table's order.
+    groups: dict[tuple[int, int, int], list[StepRecord]] = defaultdict(list)
     for r in recs:
         if r.prompt_tokens:
-            groups[("prompt", r.threads)].append(r)
+            groups[(1, 0, r.threads)].append(r)
         elif r.decodes:
-            low = (r.decodes - 1) // BATCH_BUCKET * BATCH_BUCKET + 1
-            groups[(f"decode {low}-{low + BATCH_BUCKET - 1}", r.threads)].append(r)
-    rows = [{"kind": kind, "threads": threads, "steps": len(rs),
+            groups[(0, (r.decodes - 1) // BATCH_BUCKET * BATCH_BUCKET + 1, r.threads)].append(r)
+    rows = [{"kind": f"decode {low}-{low + BATCH_BUCKET - 1}" if not prompt else "prompt", "threads": threads,
+             "steps": len(rs),
              "mean_ms": round(statistics.fmean(r.wall_ms for r in rs), 2),
              "median_ms": round(statistics.median(r.wall_ms for r in rs), 2),
              "mean_cpu_ms": round(statistics.fmean(r.cpu_ms for r in rs), 2),
              "mean_decodes": round(statistics.fmean(r.decodes for r in rs), 1),
              "mean_prompt_tokens": round(statistics.fmean(r.prompt_tokens for r in rs), 1)}
-            for (kind, threads), rs in sorted(groups.items(), key=_group_order)]
+            for (prompt, low, threads), rs in sorted(groups.items())]
     return {"steps": len(recs), "span_s": round(span_s, 3),
             "in_steps_share": round(sum(r.wall_ms for r in recs) / 1e3 / span_s, 3) if span_s > 0 else 1.0,
             "mean_decodes": round(statistics.fmean(r.decodes for r in recs), 2),
             "prompt_tokens": sum(r.prompt_tokens for r in recs), "decoded_tokens": sum(r.decodes for r in recs),
             "blocks_loaded": sum(r.loads for r in recs), "groups": rows}
 
-
-def _group_order(item: tuple[tuple[str, int], list[StepRecord]]) -> tuple[int, int, int]:
-    (kind, threads), _ = item
-    return (1, 0, threads) if kind == "prompt" else (0, int(kind.split()[1].split("-")[0]), threads)
