@@ -92,6 +92,37 @@ def test_bench_openai_backend_measures_this_api_like_the_grpc_one(stack):
     assert failed.status.startswith("HTTP_4") and "no-such-model" in failed.error
 
 
+def test_bench_backends_send_the_runs_sampling_with_a_seed_a_request(stack):
+    """`pdserve bench --temperature ...`: both backends send the run's sampling fields and a seed
+    derived from the request's id, so the HTTP API and the gRPC API answer each request with the
+    tokens the gRPC API gives for those fields and that seed (and not the greedy ones)."""
+    from pdserve.bench import workloads
+    from pdserve.bench.client import GrpcGateway, run_workload
+    from pdserve.bench.openai_client import OpenAICompletions
+    from pdserve.bench.sampling import RequestSampling
+
+    sampling = RequestSampling(temperature=1.0, top_p=0.9, top_k=40, min_p=0.02, seed=7)
+    convs = [workloads.Conversation(f"c{i}", (workloads.Turn(p, 16),)) for i, p in enumerate(PROMPTS)]
+
+    async def run(make_backend):
+        backend = make_backend()  # in the loop: a gRPC channel belongs to the loop it was made in
+        try:
+            return await run_workload(backend, convs, [0.0] * len(convs), run_id="sampled")
+        finally:
+            await backend.close()
+    texts = {}
+    for name, make in (("http", lambda: OpenAICompletions(stack.http_url, timeout_s=60, sampling=sampling)),
+                       ("grpc", lambda: GrpcGateway(stack.gateway_address, 60, sampling))):
+        result = asyncio.run(run(make))
+        assert all(r.ok for r in result.records), [r.error for r in result.records]
+        texts[name] = {r.conversation: r.text for r in result.records}
+    assert texts["http"] == texts["grpc"]
+    greedy = {f"c{i}": grpc_generate(stack, p, 16, temperature=0, ignore_eos=True)[0] for i, p in enumerate(PROMPTS)}
+    assert texts["grpc"] != greedy
+    with pytest.raises(ValueError, match="top_p"):
+        RequestSampling(temperature=1.0, top_p=0.0)
+
+
 # ---- answers equal the gRPC API's ------------------------------------------------------------
 
 def test_chat_whole_and_streamed_equal_grpc(stack, client):

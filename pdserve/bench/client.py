@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.bench.sampling import RequestSampling
 from pdserve.bench.workloads import Conversation
 
 
@@ -63,13 +64,15 @@ class Backend(Protocol):
 
 
 class GrpcGateway:
-    """The gateway's streaming Generate RPC; greedy, ignore_eos, so output lengths are exact."""
+    """The gateway's streaming Generate RPC; ignore_eos, so output lengths are exact; greedy unless
+    `sampling` says otherwise."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 300.0, sampling: RequestSampling = RequestSampling()) -> None:
         from pdserve.grpc_server import grpc_channel
         from pdserve.v1 import gateway_pb2_grpc
 
         self.timeout_s = timeout_s
+        self.sampling = sampling
         self._channel = grpc_channel(address)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -78,7 +81,8 @@ class GrpcGateway:
 
         request = gateway_pb2.GenerateRequest(
             prompt=prompt, request_id=request_id, session_id=session_id,
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                               **self.sampling.fields(request_id)))
         async for msg in self._stub.Generate(request, timeout=self.timeout_s):
             usage = msg.usage.prompt_tokens if msg.HasField("usage") else None
             yield Chunk(len(msg.token_ids), msg.text, usage)

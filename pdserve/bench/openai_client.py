@@ -1,8 +1,8 @@
 """A `Backend` for any OpenAI-compatible server's streaming /v1/completions: llama.cpp server, vLLM,
 SGLang, or pdserve's own HTTP API; so the same workload measures pdserve beside what a user runs now.
 
-Each request is greedy (`temperature` 0) with `ignore_eos` (llama.cpp, vLLM and pdserve take it), so
-output lengths are the workload's. Tokens are counted one per streamed chunk that carries text
+Each request asks for `ignore_eos` (llama.cpp, vLLM and pdserve take it), so output lengths are the
+workload's, and is greedy (`temperature` 0) unless the run samples (`pdserve.bench.sampling`). Tokens are counted one per streamed chunk that carries text
 (llama.cpp and vLLM send one token a chunk), and the final usage (`stream_options.include_usage`),
 when the server sends it, replaces the total: a server that coalesces tokens, or splits one token's
 text over chunks, is still counted exactly, its ITL then per chunk, as vLLM's benchmark counts it.
@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from pdserve.bench.client import Chunk
+from pdserve.bench.sampling import RequestSampling
 
 
 class OpenAIHTTPError(RuntimeError):
@@ -27,11 +28,13 @@ class OpenAIHTTPError(RuntimeError):
 
 
 class OpenAICompletions:
-    def __init__(self, base_url: str, model: str = "", timeout_s: float = 300.0, api_key: str = "") -> None:
+    def __init__(self, base_url: str, model: str = "", timeout_s: float = 300.0, api_key: str = "",
+                 sampling: RequestSampling = RequestSampling()) -> None:
         self.url = base_url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
         self.model = model
+        self.sampling = sampling
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -56,7 +59,7 @@ class OpenAICompletions:
     async def stream(self, prompt: str, max_tokens: int, session_id: str, request_id: str) -> AsyncIterator[Chunk]:
         if not self.model:
             self.model = await self.served_model()
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, **self.sampling.fields(request_id),
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         counted = 0
         async with self._client().post(f"{self.url}/completions", json=body) as reply:

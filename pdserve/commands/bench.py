@@ -11,6 +11,8 @@ API) through streaming /v1/completions with the same workload (pdserve.bench.ope
 Workloads (pdserve.bench.workloads): random, shared-prefix, sessions, file (ShareGPT JSON).
 Arrivals: Poisson at --request-rate (gamma with --burstiness), or everything at once (rate inf)
 capped at --max-concurrency (a closed loop); --sweep runs the same requests at several rates.
+Requests are greedy, or sample as a chat client does with --temperature (and --top-p, --top-k,
+--min-p), each seeded (pdserve.bench.sampling).
 Reports request/output/total-token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, P50,
 P90, P99), goodput under --slo-ttft-ms/--slo-tpot-ms and errors by status; --baseline hf runs the
 same requests through transformers generate() in this process and prints ratios beside.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.bench.sampling import RequestSampling
 from pdserve.commands.output import write_json
 
 NAME = "bench"
@@ -66,7 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--turn-len", type=int, default=16, help="sessions: user tokens added per turn")
     work.add_argument("--think-time-ms", type=float, default=200.0, help="sessions: pause between turns")
     work.add_argument("--dataset", default=None, metavar="PATH", help="file: ShareGPT-style JSON")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--seed", type=int, default=0, help="the workload's, and the sampled requests' seeds")
+    work.add_argument("--temperature", type=float, default=0.0,
+                      help="0 (default): greedy; else every request samples at this temperature, seeded, "
+                           "with --top-p, --top-k and --min-p (sent at their off values too)")
+    work.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus mass")
+    work.add_argument("--top-k", type=int, default=0, help="with --temperature: most likely tokens kept (0: all)")
+    work.add_argument("--min-p", type=float, default=0.0, help="with --temperature: min-p (0: off)")
 
     load = p.add_argument_group("arrivals")
     load.add_argument("--request-rate", type=float, default=float("inf"),
@@ -112,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.server is None and args.openai_url is None and not args.start_stack:
         raise ValueError("give --server HOST:PORT (a running gateway), --openai-url URL or --start-stack")
     rates = arrivals.parse_rates(args.sweep) if args.sweep else [args.request_rate]
+    sampling = _sampling(args)  # checked before anything starts
     model_path = resolve_model_path(args.model)
     tokenizer = inspect_checkpoint(model_path).tokenizer  # the weights only for a baseline (at its turn)
     spec = workloads.WorkloadSpec(
@@ -139,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
             progress = ProgressBar(total, label, enabled=not args.no_progress)
 
             async def one_run() -> RunResult:
-                backend = _backend(args, address)
+                backend = _backend(args, address, sampling)
                 try:
                     if args.warmup:
                         warm = workloads.build(workloads.WorkloadSpec(
@@ -189,15 +199,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if any(s["completed"] for s in summaries) else 1
 
 
-def _backend(args: argparse.Namespace, address: str | None):
+def _backend(args: argparse.Namespace, address: str | None, sampling: RequestSampling):
     """The target: an OpenAI-compatible server over HTTP, else the gateway's gRPC API."""
     if args.openai_url:
         from pdserve.bench.openai_client import OpenAICompletions
 
-        return OpenAICompletions(args.openai_url, args.openai_model, args.timeout_s, args.openai_api_key)
+        return OpenAICompletions(args.openai_url, args.openai_model, args.timeout_s, args.openai_api_key,
+                                 sampling)
     from pdserve.bench.client import GrpcGateway
 
-    return GrpcGateway(address, args.timeout_s)
+    return GrpcGateway(address, args.timeout_s, sampling)
+
+
+def _sampling(args: argparse.Namespace) -> RequestSampling:
+    return RequestSampling(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
 
 
 def _jsonable(value):
