@@ -23,6 +23,9 @@ THREAD_COUNTS = textwrap.dedent("""
         compute_threads.claim(claimed)
         torch.ones(4).sum()  # a first op must not reset the claim (torch's per-thread lazy init)
         seen["engine"] = torch.get_num_threads()
+        with compute_threads.one_thread():  # the sampler's draws (runtime/token_draw.py)
+            seen["one_thread"] = torch.get_num_threads()
+        seen["after_one_thread"] = torch.get_num_threads()
 
     def other():
         torch.ones(4).sum()
@@ -47,7 +50,8 @@ def test_only_the_claiming_thread_gets_more_than_one_torch_thread():
     out = subprocess.run([sys.executable, "-c", THREAD_COUNTS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(sorted({"engine": 2, "other": 1, "main": 1, "loaded": 2,
-                                             "error": "ValueError"}.items()))
+                                             "error": "ValueError", "one_thread": 1,
+                                             "after_one_thread": 2}.items()))
 
 
 def _up(*flags: str):

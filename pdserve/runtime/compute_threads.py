@@ -18,13 +18,15 @@ the thread exits.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController, threadpool_limits
 
 T = TypeVar("T")
 
@@ -48,6 +50,20 @@ def one_thread_by_default(threads: int) -> int:
     claimed = threads or default_threads()
     torch.set_num_threads(1)
     return claimed
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """The calling thread's torch ops on one OpenMP thread inside the block, its count restored after
+    (5 us): for a run of ops too small to split, each of which would otherwise wait at its end for
+    the team's other threads, a time slice each when another process has their core."""
+    with _openmp().limit(limits=1):
+        yield
+
+
+@functools.cache
+def _openmp() -> ThreadpoolController:
+    return ThreadpoolController().select(user_api="openmp")  # the libraries scanned once
 
 
 def claim(threads: int) -> None:

@@ -104,10 +104,15 @@ def _tokens(masked: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         rows = masked.clone()
         for i in processed:
             rows[i] = processed_logits(masked[i], seqs[i])
-    tokens = rows.max(dim=-1).indices.tolist()  # the greedy rows' (and a placeholder for the rest)
+    tokens = [0] * len(seqs)
+    greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+    if greedy:
+        for i, token in zip(greedy, _taken(rows, greedy).max(dim=-1).indices.tolist()):
+            tokens[i] = token
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
-        drawn = draw_tokens(rows[sampled], [seqs[i].params for i in sampled], [seqs[i].generator() for i in sampled])
+        drawn = draw_tokens(_taken(rows, sampled), [seqs[i].params for i in sampled],
+                            [seqs[i].generator() for i in sampled])
         for i, token in zip(sampled, drawn):
             tokens[i] = token
     return tokens
@@ -116,3 +121,8 @@ def _tokens(masked: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
 def _unprocessed(p: SamplingParams) -> bool:
     """No logit bias or penalty: the row's logits are drawn from as they are."""
     return p.repetition_penalty == 1.0 and not p.logit_bias and p.presence_penalty == 0 and p.frequency_penalty == 0
+
+
+def _taken(rows: torch.Tensor, which: list[int]) -> torch.Tensor:
+    """rows [S, V] -> the listed rows [len(which), V]: `rows` itself when that is all of them (no copy)."""
+    return rows if len(which) == rows.shape[0] else rows[which]
