@@ -82,13 +82,11 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], allowed: torch.Tensor | No
     allowed: [S, V] bool, the tokens each row's grammar allows (None: no row is constrained)."""
     masked = logits if allowed is None else logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     tokens = _tokens(masked, seqs)
-    results: list[tuple[int, TokenLogprob | None]] = []
-    for row, seq, tok in zip(logits, seqs, tokens):
-        lp = None
-        if seq.params.logprobs:
-            lp = top_logprobs(torch.log_softmax(row, dim=-1), tok, seq.params.logprobs)
-        results.append((tok, lp))
-    return results
+    if not any(s.params.logprobs for s in seqs):
+        return [(token, None) for token in tokens]
+    with one_thread():  # two small ops a row
+        return [(token, top_logprobs(torch.log_softmax(row, dim=-1), token, seq.params.logprobs)
+                 if seq.params.logprobs else None) for row, seq, token in zip(logits, seqs, tokens)]
 
 
 def _tokens(masked: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
