@@ -92,6 +92,29 @@ def test_bench_openai_backend_measures_this_api_like_the_grpc_one(stack):
     assert failed.status.startswith("HTTP_4") and "no-such-model" in failed.error
 
 
+def test_bench_openai_chat_endpoint_measures_chat_completions(stack):
+    """`pdserve bench --openai-endpoint chat`: each prompt goes as one user message to
+    /v1/chat/completions, and the run's text and token counts are the gRPC Chat API's for it."""
+    from pdserve.bench import workloads
+    from pdserve.bench.client import run_workload
+    from pdserve.bench.openai_client import OpenAICompletions
+
+    convs = [workloads.Conversation(f"c{i}", (workloads.Turn(p, 12),)) for i, p in enumerate(PROMPTS)]
+
+    async def run():
+        backend = OpenAICompletions(stack.http_url, timeout_s=60, chat=True)
+        try:
+            return await run_workload(backend, convs, [0.0] * len(convs), max_concurrency=2)
+        finally:
+            await backend.close()
+    records = {r.conversation: r for r in asyncio.run(run()).records}
+    for i, prompt in enumerate(PROMPTS):
+        r = records[f"c{i}"]
+        text, _, usage = grpc_chat(stack, [{"role": "user", "content": prompt}], 12, temperature=0, ignore_eos=True)
+        assert r.ok, r.error
+        assert (r.text, r.output_tokens, r.prompt_tokens) == (text, 12, usage.prompt_tokens)
+
+
 def test_bench_backends_send_the_runs_sampling_with_a_seed_a_request(stack):
     """`pdserve bench --temperature ...`: both backends send the run's sampling fields and a seed
     derived from the request's id, so the HTTP API and the gRPC API answer each request with the

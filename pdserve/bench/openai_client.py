@@ -1,5 +1,6 @@
-"""A `Backend` for any OpenAI-compatible server's streaming /v1/completions: llama.cpp server, vLLM,
-SGLang, or pdserve's own HTTP API; so the same workload measures pdserve beside what a user runs now.
+"""A `Backend` for any OpenAI-compatible server's streaming /v1/completions, or /v1/chat/completions
+(the prompt as one user message, as a chat front end sends it): llama.cpp server, vLLM, SGLang, or
+pdserve's own HTTP API; so the same workload measures pdserve beside what a user runs now.
 
 Each request asks for `ignore_eos` (llama.cpp, vLLM and pdserve take it), so output lengths are the
 workload's, and is greedy (`temperature` 0) unless the run samples (`pdserve.bench.sampling`). Tokens are counted one per streamed chunk that carries text
@@ -29,12 +30,13 @@ class OpenAIHTTPError(RuntimeError):
 
 class OpenAICompletions:
     def __init__(self, base_url: str, model: str = "", timeout_s: float = 300.0, api_key: str = "",
-                 sampling: RequestSampling = RequestSampling()) -> None:
+                 sampling: RequestSampling = RequestSampling(), chat: bool = False) -> None:
         self.url = base_url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
         self.model = model
         self.sampling = sampling
+        self.chat = chat
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -59,14 +61,19 @@ class OpenAICompletions:
     async def stream(self, prompt: str, max_tokens: int, session_id: str, request_id: str) -> AsyncIterator[Chunk]:
         if not self.model:
             self.model = await self.served_model()
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, **self.sampling.fields(request_id),
+        body = {"model": self.model, "max_tokens": max_tokens, **self.sampling.fields(request_id),
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        path = "chat/completions" if self.chat else "completions"
         counted = 0
-        async with self._client().post(f"{self.url}/completions", json=body) as reply:
+        async with self._client().post(f"{self.url}/{path}", json=body) as reply:
             await _raise_for_status(reply)
             async for event in _sse_events(reply):
                 choices, usage = event.get("choices") or [], event.get("usage")
-                text = (choices[0].get("text") or "") if choices else ""
+                text = _text(choices[0]) if choices else ""
                 if text:
                     counted += 1
                     yield Chunk(1, text)
@@ -77,6 +84,13 @@ class OpenAICompletions:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _text(choice: dict) -> str:
+    """A streamed choice's text: a completion's `text`, a chat completion's `delta.content`."""
+    if "delta" in choice:
+        return (choice["delta"] or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 async def _sse_events(reply: aiohttp.ClientResponse) -> AsyncIterator[dict]:

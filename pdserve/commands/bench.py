@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--openai-model", default="", help="with --openai-url: the model id to send "
                                                            "(default: the first of GET /v1/models)")
     target.add_argument("--openai-api-key", default="", help="with --openai-url: a bearer token, if it wants one")
+    target.add_argument("--openai-endpoint", default="completions", choices=["completions", "chat"],
+                        help="with --openai-url: /v1/completions (the prompt as text), or /v1/chat/completions "
+                             "(the prompt as one user message, the chat template applied by the server)")
     target.add_argument("--start-stack", action="store_true",
                         help="without --server: start kvstore, prefill, decode and gateway here for the run")
     target.add_argument("--prefill", type=int, default=1, help="prefill workers of --start-stack")
@@ -205,7 +208,7 @@ def _backend(args: argparse.Namespace, address: str | None, sampling: RequestSam
         from pdserve.bench.openai_client import OpenAICompletions
 
         return OpenAICompletions(args.openai_url, args.openai_model, args.timeout_s, args.openai_api_key,
-                                 sampling)
+                                 sampling, chat=args.openai_endpoint == "chat")
     from pdserve.bench.client import GrpcGateway
 
     return GrpcGateway(address, args.timeout_s, sampling)
