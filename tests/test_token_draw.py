@@ -72,6 +72,15 @@ def test_rows_that_keep_drawing_find_their_nucleus_by_a_sort(logits, monkeypatch
     assert 0.5 * float((seen - expected).abs().sum()) < MAX_TOTAL_VARIATION
 
 
+def test_a_large_top_k_is_found_by_selection(logits, monkeypatch):
+    monkeypatch.setattr(token_draw, "TOPK_BELOW", 4)  # top_k 10 by kthvalue, top_k 3 by topk
+    for params in (SamplingParams(temperature=1.0, top_k=10), SamplingParams(temperature=0.9, top_k=3, top_p=0.9)):
+        torch.manual_seed(6)
+        seen, expected = frequencies(logits, params, draws=20_000), reference_probs(logits, params)
+        assert set(seen.nonzero().flatten().tolist()) <= set(expected.nonzero().flatten().tolist())
+        assert 0.5 * float((seen - expected).abs().sum()) < MAX_TOTAL_VARIATION
+
+
 @pytest.mark.parametrize("vocab", [64, 300, 1024])  # 300: a vocabulary padded to whole chunks
 def test_inverse_cdf_is_the_first_token_past_the_uniform(vocab):
     torch.manual_seed(vocab)

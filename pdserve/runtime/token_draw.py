@@ -39,6 +39,7 @@ MAX_ROUNDS = 32  # draws a row makes before its nucleus is found by a sort
 # Rows drawn together: their weights ([rows, V] fp32) stay in a core's L2 cache over the passes
 # (32 rows of SmolLM2 at once, 6 MB: 5.0 ms at temperature 0.7 against ... in groups).
 GROUP_BYTES = 1 << 20
+TOPK_BELOW = 1024  # top-k of at most this many tokens by `topk`; more by a selection (`_kth_weights`)
 
 
 def weights_of(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -116,21 +117,31 @@ def _draw_group(logits: torch.Tensor, params: Seq[SamplingParams], generators: S
     mass_limits = None if not nucleus else (  # top-p's share of the mass before top-k, as a sort's
         torch.tensor([params[i].top_p for i in nucleus]) * weights.sum(dim=-1)[nucleus])
     if any(0 < p.top_k < weights.shape[1] for p in params):
-        _keep_from(weights, _kth_weights(weights, params).tolist())
+        _keep_from(weights, _kth_weights(weights, params))
     tokens = inverse_cdf(weights, uniforms_of(generators))  # [G]
     if nucleus:
         _redraw_outside_nucleus(weights, tokens, torch.tensor(nucleus), mass_limits, generators)
     return tokens.tolist()
 
 
-def _kth_weights(weights: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-    """weights [G, V] -> [G]: each row's k-th largest weight (0 for a row without top-k). A token is
-    among a row's k most likely exactly when its weight is at least that: fewer than k weigh more."""
+def _kth_weights(weights: torch.Tensor, params: Seq[SamplingParams]) -> list[float]:
+    """weights [G, V] -> each row's k-th largest weight (0 for a row without top-k). A token is among
+    a row's k most likely exactly when its weight is at least that: fewer than k weigh more. Small
+    k by one `topk` over those rows; a larger k by a selection a row (`kthvalue`, linear in V), so
+    that a request's top_k of half the vocabulary costs a pass, not a sort."""
     vocab = weights.shape[1]
-    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params])  # [G]
-    largest = weights.topk(int(ks.max()), dim=-1).values  # [G, max k], descending
-    kth = largest.gather(1, (ks - 1).clamp_(min=0)[:, None])[:, 0]
-    return torch.where(ks > 0, kth, 0.0)
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    kth = [0.0] * len(ks)
+    small = [i for i, k in enumerate(ks) if 0 < k <= TOPK_BELOW]
+    if small:
+        largest = weights[small].topk(max(ks[i] for i in small), dim=-1).values  # [S, max k], descending
+        picked = largest.gather(1, torch.tensor([ks[i] - 1 for i in small])[:, None])[:, 0].tolist()
+        for i, value in zip(small, picked):
+            kth[i] = value
+    for i, k in enumerate(ks):
+        if k > TOPK_BELOW:
+            kth[i] = float(weights[i].kthvalue(vocab - k + 1).values)  # the (V - k + 1)-th smallest
+    return kth
 
 
 def _keep_from(weights: torch.Tensor, limits: list[float]) -> None:
