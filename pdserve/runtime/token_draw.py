@@ -66,10 +66,10 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         weights = torch.nn.functional.pad(weights, (0, padded))
     chunks = weights.view(rows, -1, CHUNK)  # [R, C, CHUNK]
     chunk_cdf = chunks.sum(dim=-1).double().cumsum_(dim=-1)  # [R, C]
-    target = uniforms * chunk_cdf[:, -1]  # [R]
+    target = uniforms.to(chunk_cdf.device) * chunk_cdf[:, -1]  # [R]
     chunk = torch.searchsorted(chunk_cdf, target[:, None], right=True).clamp_(max=chunk_cdf.shape[1] - 1)
     before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp_(min=0)), 0.0)[:, 0]  # [R]
-    inside = chunks[torch.arange(rows), chunk[:, 0]]  # [R, CHUNK], the chosen chunks' weights
+    inside = chunks[torch.arange(rows, device=weights.device), chunk[:, 0]]  # [R, CHUNK], the chosen chunks' weights
     inside_cdf = inside.double().cumsum_(dim=-1)
     offset = torch.searchsorted(inside_cdf, (target - before)[:, None], right=True)[:, 0]  # [R]
     # A target past its chunk's sum (the fp32 chunk sum rounds above the float64 one) lands on the
@@ -110,17 +110,17 @@ def draw_tokens(logits: torch.Tensor, params: Seq[SamplingParams],
 
 def _draw_group(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None]
                 ) -> list[int]:
-    weights = weights_of(logits, torch.tensor([p.temperature for p in params]))  # [G, V]
+    weights = weights_of(logits, torch.tensor([p.temperature for p in params], device=logits.device))  # [G, V]
     if any(p.min_p > 0 for p in params):
         _keep_from(weights, [p.min_p for p in params])  # the row's largest weight is 1
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     mass_limits = None if not nucleus else (  # top-p's share of the mass before top-k, as a sort's
-        torch.tensor([params[i].top_p for i in nucleus]) * weights.sum(dim=-1)[nucleus])
+        torch.tensor([params[i].top_p for i in nucleus], device=logits.device) * weights.sum(dim=-1)[nucleus])
     if any(0 < p.top_k < weights.shape[1] for p in params):
         _keep_from(weights, _kth_weights(weights, params))
     tokens = inverse_cdf(weights, uniforms_of(generators))  # [G]
     if nucleus:
-        _redraw_outside_nucleus(weights, tokens, torch.tensor(nucleus), mass_limits, generators)
+        _redraw_outside_nucleus(weights, tokens, torch.tensor(nucleus, device=logits.device), mass_limits, generators)
     return tokens.tolist()
 
 
@@ -135,7 +135,7 @@ def _kth_weights(weights: torch.Tensor, params: Seq[SamplingParams]) -> list[flo
     small = [i for i, k in enumerate(ks) if 0 < k <= TOPK_BELOW]
     if small:
         largest = weights[small].topk(max(ks[i] for i in small), dim=-1).values  # [S, max k], descending
-        picked = largest.gather(1, torch.tensor([ks[i] - 1 for i in small])[:, None])[:, 0].tolist()
+        picked = largest.gather(1, torch.tensor([ks[i] - 1 for i in small], device=weights.device)[:, None])[:, 0].tolist()
         for i, value in zip(small, picked):
             kth[i] = value
     for i, k in enumerate(ks):
@@ -148,7 +148,7 @@ def _keep_from(weights: torch.Tensor, limits: list[float]) -> None:
     """weights [G, V] >= 0, in place: each row's weights under its limit set to 0 (a limit <= 0: none).
     `threshold_` keeps the weights above the float just under the limit, i.e. from the limit on: one
     vectorised pass a row, several times faster than a comparison and a `where` over the group."""
-    under = torch.nextafter(torch.tensor(limits, dtype=weights.dtype), torch.tensor(float("-inf"), dtype=weights.dtype))
+    under = torch.nextafter(torch.tensor(limits, dtype=weights.dtype), torch.tensor(float("-inf"), dtype=weights.dtype))  # on the host
     for row, limit, below in zip(weights, limits, under.tolist()):
         if limit > 0:
             torch.nn.functional.threshold_(row, below, 0.0)
