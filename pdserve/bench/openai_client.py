@@ -3,10 +3,11 @@
 pdserve's own HTTP API; so the same workload measures pdserve beside what a user runs now.
 
 Each request asks for `ignore_eos` (llama.cpp, vLLM and pdserve take it), so output lengths are the
-workload's, and is greedy (`temperature` 0) unless the run samples (`pdserve.bench.sampling`). Tokens are counted one per streamed chunk that carries text
-(llama.cpp and vLLM send one token a chunk), and the final usage (`stream_options.include_usage`),
-when the server sends it, replaces the total: a server that coalesces tokens, or splits one token's
-text over chunks, is still counted exactly, its ITL then per chunk, as vLLM's benchmark counts it.
+workload's, and is greedy (`temperature` 0) unless the run samples (`pdserve.bench.sampling`).
+Tokens are counted one per streamed chunk that carries text (llama.cpp and vLLM send one token a
+chunk), and the final usage (`stream_options.include_usage`), when the server sends it, replaces the
+total: a server that coalesces tokens, or splits one token's text over chunks, is still counted
+exactly, its ITL then per chunk, as vLLM's benchmark counts it.
 """
 
 from __future__ import annotations
