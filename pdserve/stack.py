@@ -19,8 +19,11 @@ from pdserve.cli import build_parser
 from pdserve.commands.up import core_share_file, plan
 from pdserve.control import make_private_dir
 from pdserve.ports import free_port
-from pdserve.supervisor import Child, ChildSpec, Supervisor
+from pdserve.supervisor import Child, ChildSpec, StartupError, Supervisor
 from pdserve.v1 import gateway_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+BIND_ATTEMPTS = 3  # starts of a stack whose child found its port taken (start_stack)
 
 
 @dataclass
@@ -100,7 +103,22 @@ def start_stack(prefill: int = 2, decode: int = 2, *extra: str, env: Mapping[str
     As under `pdserve up` the workers get a generated KV MAC key; unlike it, no internal token is
     generated unless `extra` passes `--internal-token` (tests dial the internal ports directly).
     With `list_dir` the gateway reads its workers from list files there, as under `pdserve up`
-    (pdserve.membership: rewrite them to change its membership)."""
+    (pdserve.membership: rewrite them to change its membership).
+
+    The ports it picks are free when picked and bound seconds later, by then maybe taken (the
+    workers' own connections draw from the same ephemeral range): a child that cannot bind its port
+    has the whole stack started again on new ports, up to BIND_ATTEMPTS times."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        try:
+            return _start_stack_once(prefill, decode, extra, env, list_dir)
+        except StartupError as err:
+            if "Address already in use" not in str(err) or attempt == BIND_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_stack_once(prefill: int, decode: int, extra: tuple[str, ...], env: Mapping[str, str] | None,
+                      list_dir: Path | None) -> Stack:
     args = build_parser().parse_args([
         "up", "--prefill", str(prefill), "--decode", str(decode), "--grpc-port", str(free_port()),
         "--threads", "1", "--http-port", "0", "--no-internal-token", *extra])

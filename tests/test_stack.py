@@ -222,3 +222,29 @@ def test_the_gateway_and_the_kvstore_run_without_torch(stack):
     assert "libtorch" in maps("prefill-0")
     assert "libtorch" not in maps("kvstore")
     assert "libtorch" not in maps("gateway")
+
+
+def test_a_port_taken_before_the_gateway_binds_it_starts_the_stack_again(monkeypatch):
+    """The gRPC port start_stack picks is bound only once the workers serve; taken by then (here by
+    this test), the gateway cannot bind it and the stack starts again on new ports."""
+    import socket
+
+    import pdserve.stack as stack_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real_free_port = stack_module.free_port
+    monkeypatch.setattr(stack_module, "free_port", lambda *a, **k: next(picks, None) or real_free_port(*a, **k))
+    try:
+        s = start_stack(1, 1)
+        try:
+            assert s.gateway_address != f"127.0.0.1:{taken.getsockname()[1]}"
+            [chunk, *_] = list(s.gateway_stub().Generate(gateway_pb2.GenerateRequest(
+                prompt="Once upon a time", sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0)), timeout=60))
+            assert chunk.token_ids
+        finally:
+            s.stop()
+    finally:
+        taken.close()
