@@ -185,6 +185,7 @@ def smollm2_tokenizer_fields() -> dict[str, GGUFField]:
 
 # Modules about the running stack: every test in them (or all but a trivial one) starts processes.
 STACK_MODULES = {
+    "test_bench_openai.py",  # `pdserve bench`'s HTTP and gRPC clients against a stack
     "test_chat_page.py",  # headless Chromium against a real stack (chat_page_support's `stack`)
     "test_chat_page_conversations.py",  # the same: conversations, errors, models, the API key
     "test_decode_death.py",  # decode workers SIGSTOPped / SIGKILLed under load
