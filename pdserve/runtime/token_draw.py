@@ -84,11 +84,9 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def uniforms_of(generators: Seq[torch.Generator | None]) -> torch.Tensor:
     """One uniform in [0, 1) a row [R] float64: from the row's generator where it has one (a seeded
     request: a function of its seed and position), else from torch's default generator."""
-    out = torch.rand(len(generators), dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = torch.rand(1, dtype=torch.float64, generator=g)[0]
-    return out
+    unseeded = iter(torch.rand(sum(g is None for g in generators), dtype=torch.float64).tolist())
+    return torch.tensor([next(unseeded) if g is None else float(torch.rand(1, dtype=torch.float64, generator=g))
+                         for g in generators], dtype=torch.float64)
 
 
 def draw_tokens(logits: torch.Tensor, params: Seq[SamplingParams],
