@@ -89,6 +89,19 @@ static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, u
     }
 }
 
+// The cache lines of the block `blocks` blocks after this one (codes) and of its 16 (scale, zero)
+// pairs (`columns` outputs further on), fetched while this block is widened. Why: the dequantization
+// reads each block's codes once, from memory (a step reads every weight once), and waits on each
+// miss: the hardware prefetchers follow a panel's two runs of blocks and its scales' stride poorly.
+// Fetching the next panel's block as this one is widened (SmolLM2's 30 layers' projections, cold, one
+// thread of a 2-core Xeon: 31.7 -> 19.7 ms at 1 row, 33.4 -> 26.9 at 32; a decode step of 32
+// sequences on two threads 49.8 -> 43.8 ms, of 8: 32.4 -> 24.5).
+static inline void prefetch_block(const uint8_t* codes, int64_t blocks, const uint16_t* scale_zero, int64_t columns) {
+    const char* next = (const char*)(codes + blocks * BLOCK_BYTES);
+    for (int line = 0; line < BLOCK_BYTES; line += 64) __builtin_prefetch(next + line);
+    __builtin_prefetch(scale_zero + columns * 2);
+}
+
 // Rows [m0, m0 + rows) (rows <= 32) of y's columns [n, n + 32) from a dequantized panel.
 static void multiply_panel(const uint16_t* x, int64_t m0, int rows, int64_t kb, int64_t x_stride,
                            const uint16_t* panel, const float* bias, int64_t n, float* acc, uint16_t* y,
@@ -143,9 +156,13 @@ int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
     }
     int configured = -1;
     for (int64_t col = n0; col < n1; col += PANEL) {
+        const int last = col + PANEL >= n1;
         for (int64_t b = 0; b < kb; b++) {
             for (int64_t half = 0; half < 2; half++) {
                 const int64_t block = (col / 16 + half) * kb + b;
+                if (!last)  // the next panel's block: 2 * kb blocks on, its scales PANEL columns on
+                    prefetch_block(codes + block * BLOCK_BYTES, 2 * kb, scale_zero + (b * n + col + 16 * half) * 2,
+                                   PANEL);
                 dequantize_block(codes + block * BLOCK_BYTES, scale_zero + (b * n + col + 16 * half) * 2,
                                  panel + (2 * b + half) * TILE_ELEMS);
             }
