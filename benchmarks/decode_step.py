@@ -1,7 +1,7 @@
 """One engine decode step by batch size, for each weight format, in one run (ratios, not absolutes).
 
 Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--formats int4,dense]
-           [--batches 1,8,32] [--steps 20] [--threads 2] [--prompt-len 32]
+           [--batches 1,8,32] [--steps 20] [--threads 2] [--prompt-len 32] [--huge-pages on|off]
 
 A format with the suffix `-eager` (e.g. `int4-eager`) runs that format's decode steps layer by layer
 from Python, never the one-call C step (kernels.cpu_decode_step, which 4-bit fp32 models take).
@@ -60,6 +60,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=PROMPT)
+    p.add_argument("--huge-pages", choices=["on", "off"], default="on",
+                   help="the KV cache and weights on 2 MB pages, as a worker's default (runtime.huge_pages)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))
@@ -69,13 +71,13 @@ def main() -> int:
         blocks_per_seq = -(-(args.prompt_len + args.steps + 8) // 16) + 1
         config = EngineConfig(cache=CacheConfig(num_blocks=blocks_per_seq * max(batches) + 64, dtype=args.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
-                              weight_format=fmt.removesuffix("-eager"))
+                              weight_format=fmt.removesuffix("-eager"), huge_pages=args.huge_pages == "on")
         engine = Engine.from_checkpoint(checkpoint, config)
         if fmt.endswith("-eager"):
             engine.runner.model.run_decode_steps_eagerly()
         results[fmt] = {b: step_ms(engine, b, args.steps, args.prompt_len) for b in batches}
     print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype, "threads": args.threads,
-                      "prompt_len": args.prompt_len,
+                      "prompt_len": args.prompt_len, "huge_pages": args.huge_pages,
                       "step_ms": results}))
     base = list(results)[-1]
     print(f"{'format':10} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'vs ' + base:>12}")

@@ -68,7 +68,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="threads of the one-call C decode step (CPU decode steps of few sequences, or every "
                         "decode step of a float32 int4 model); it runs on one for a while when another process "
                         "has the cores (0: as --threads)")
+    add_huge_pages_arg(p)
     add_speculative_args(p)
+
+
+def add_huge_pages_arg(p: argparse.ArgumentParser) -> None:
+    """--huge-pages (runtime.huge_pages), a worker's and `pdserve up`'s."""
+    p.add_argument("--huge-pages", choices=["on", "off"], default="on",
+                   help="on the CPU, the loaded weights' memory collapsed into 2 MB pages (Linux transparent huge "
+                        "pages, where the host allows them): a step's weight reads miss the TLB far less (SmolLM2 "
+                        "bf16, 2-core Xeon: a one-stream decode step 12.7 -> 8.4 ms); the RSS grows by a few MB "
+                        "(default: %(default)s)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
@@ -122,6 +132,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         weight_format=getattr(args, "weight_format", "dense"),
         dense_copy=dense_copy(args, dtype),
         step_threads=getattr(args, "step_threads", 0),
+        huge_pages=getattr(args, "huge_pages", "off") == "on",
     )
 
 

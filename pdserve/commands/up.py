@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pdserve.config_flags import add_flags
     from pdserve.worker_config import WorkerConfig
     from kvstore.config import KVStoreConfig
-    from pdserve.engine_args import add_dtype_args, add_speculative_args
+    from pdserve.engine_args import add_dtype_args, add_huge_pages_arg, add_speculative_args
 
     # The children's defaults are their configs': one default per setting, whoever starts them.
     gateway, kvstore = GatewayConfig(), KVStoreConfig()
@@ -108,6 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=32, help="sequences per decode step")
     add_flags(p, WorkerConfig, only=("decode_yield_s", "stream_interval"))  # to the decode workers (`_decode_flags`)
     add_speculative_args(p)  # decode workers' --speculative-ngram, --speculative-max-batch
+    add_huge_pages_arg(p)  # every worker's
     p.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in each worker's paged cache")
     p.add_argument("--max-batched-tokens", type=int, default=0,
                    help="token budget of one engine step in each worker (0: the workers' default); smaller"
@@ -188,7 +189,7 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     kv = f"{loopback}:{free_port(avoid=gateway_ports)}"
     model = ("--model", args.model) if args.model else ()
     engine = (*model, "--dtype", args.dtype, "--weight-format", args.weight_format,
-              "--dense-copy", args.dense_copy,
+              "--dense-copy", args.dense_copy, "--huge-pages", args.huge_pages,
               "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype,
               "--num-blocks", str(args.num_blocks), "--threads", str(args.threads or worker_threads(args)),
               *(("--max-batched-tokens", str(args.max_batched_tokens)) if args.max_batched_tokens else ()))

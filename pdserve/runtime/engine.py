@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.runtime import engine_metrics
+from pdserve.runtime import engine_metrics, huge_pages
 from pdserve.runtime.block_manager import BlockManager
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.grammar import GrammarCompiler, GrammarMatcher
@@ -142,6 +142,8 @@ class Engine:
         model = LlamaModel(model_config, weights, self.config.device, step_threads=self.config.step_threads)
         if self.config.dense_copy:
             model.keep_dense_copies()
+        if self.config.huge_pages and self.config.device == "cpu":  # the weights as packed, every form made
+            huge_pages.collapse_loaded(exclude=[huge_pages.span(self.kv_cache)])  # (all of the cache: resident)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
         if self.config.cuda_graph:  # a no-op off the GPU
             widest = -(-model_config.max_position_embeddings // cache.block_size)

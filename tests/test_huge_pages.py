@@ -1,0 +1,115 @@
+"""The loaded weights on 2 MB pages (runtime.huge_pages): the kernel's own accounting (/proc/self/smaps)
+says what got collapsed; what was excluded stays as it was; an engine's tokens do not change."""
+
+from __future__ import annotations
+
+import mmap
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.runtime import huge_pages
+from tests.conftest import STORIES_GGUF
+
+MB = 1 << 20
+
+MAPS = """\
+55d0c0a00000-55d0c0c00000 r--p 00000000 08:01 123  /usr/bin/python3.11
+55d0c2000000-55d0c4000000 rw-p 00000000 00:00 0    [heap]
+7f0000000000-7f0004000000 rw-p 00000000 00:00 0
+7f0004000000-7f0008000000 ---p 00000000 00:00 0
+7f0008000000-7f0008200000 rw-s 00000000 00:01 77   /dev/shm/segment
+7f0008200000-7f0008400000 rw-p 00000000 08:01 456  /models/weights.gguf
+7f0009000000-7f0009400000 rw-p 00000000 00:00 0
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0    [stack]
+"""
+
+
+def test_only_private_anonymous_read_write_mappings_are_listed(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS)
+    assert list(huge_pages.anonymous_mappings(maps)) == [
+        (0x55d0c2000000, 0x55d0c4000000), (0x7f0000000000, 0x7f0004000000), (0x7f0009000000, 0x7f0009400000)]
+
+
+def test_the_thp_setting_is_read_from_its_brackets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                       ("always madvise [never]\n", "never")):
+        setting.write_text(text)
+        assert huge_pages.thp_mode() == mode
+    assert not huge_pages.available()  # "never": nothing to ask for
+    setting.unlink()
+    assert huge_pages.thp_mode() is None and not huge_pages.available()
+
+
+def mapping_field(address: int, field: str) -> int:
+    """A field (kB) of the /proc/self/smaps entry holding `address`, in bytes."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == field + ":":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def kernel_version() -> tuple[int, int]:
+    major, minor = platform.release().split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def test_loaded_memory_is_collapsed_and_an_excluded_mapping_left_alone() -> None:
+    if not huge_pages.available():
+        pytest.skip(f"transparent huge pages are off here ({huge_pages.thp_mode()})")
+    weights = torch.ones(16 * MB // 4)  # written: resident, on 4 KB pages unless THP is `always`
+    cache = mmap.mmap(-1, 16 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as kv_cache.zero_pages
+    cache_tensor = torch.frombuffer(cache, dtype=torch.uint8, count=16 * MB)
+    cache_tensor[:4096] = 1  # one page written
+    cache_rss = mapping_field(cache_tensor.data_ptr(), "Rss")
+    result = huge_pages.collapse_loaded(exclude=[huge_pages.span(cache_tensor)])
+    if kernel_version() < (6, 1):
+        pytest.skip(f"Linux {platform.release()} has no MADV_COLLAPSE (6.1+)")
+    assert result.collapsed >= 14 * MB
+    # at least the 2 MB ranges wholly inside the tensor (its mapping may hold more)
+    assert huge_pages.huge_bytes(weights.data_ptr()) >= 14 * MB
+    assert huge_pages.huge_bytes(weights.data_ptr()) == mapping_field(weights.data_ptr(), "AnonHugePages")
+    assert mapping_field(cache_tensor.data_ptr(), "Rss") == cache_rss  # not made resident
+    assert torch.equal(weights, torch.ones_like(weights)) and int(cache_tensor.sum()) == 4096  # contents kept
+
+
+def test_an_engine_on_huge_pages_generates_the_same_tokens() -> None:
+    from pdserve.runtime.config import CacheConfig, EngineConfig
+    from pdserve.runtime.engine import Engine
+    from pdserve.runtime.loader import load_checkpoint
+    from pdserve.runtime.sampling_params import SamplingParams
+
+    checkpoint = load_checkpoint(STORIES_GGUF)
+    prompts = [[1, 403, 407, 261, 100], [1, 9, 300]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = []
+    for huge in (False, True):
+        engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=64), huge_pages=huge))
+        tokens.append([seq.output_ids for seq in engine.generate(prompts, params)])
+    assert tokens[0] == tokens[1] and all(len(out) == 12 for out in tokens[0])
+
+
+def test_workers_and_up_take_huge_pages_by_default() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.commands.up import plan
+    from pdserve.engine_args import engine_config_from_args
+
+    def config(role: str, *flags: str):
+        return engine_config_from_args(build_parser().parse_args([role, "--model", str(STORIES_GGUF), *flags]))
+
+    assert config("decode").huge_pages and config("prefill").huge_pages and config("bench-engine").huge_pages
+    assert not config("decode", "--huge-pages", "off").huge_pages
+    workers, _ = plan(build_parser().parse_args(["up", "--huge-pages", "off", "--no-internal-token"]))
+    for spec in (w for w in workers if w.name != "kvstore"):
+        command = list(spec.command)
+        assert command[command.index("--huge-pages") + 1] == "off", spec.name
