@@ -5,8 +5,10 @@ for the hardware prefetchers, which stop at page boundaries. Most Linux hosts ru
 mode (only memory that asks gets 2 MB pages), and nothing in torch or glibc asks by default.
 SmolLM2 bf16 decode steps on two threads of a 2-core Xeon (`benchmarks/decode_step.py --threads 2
 --prompt-len 200 --huge-pages on|off`): 12.3-12.9 -> 8.1-8.6 ms at one sequence, where the step
-is its weights' reading; at 32 sequences unchanged within the noise (40.5-42.8 against 41.7-43.6):
-there the step is the attention's and the AMX kernel's arithmetic.
+is its weights' reading; at 32 sequences unchanged within the noise (40.5-42.8 against 41.7-43.6).
+Through the stack (`pdserve up`, 32 streams, the same host in the same rounds), where the decode
+worker's steps share the cores and caches with the prefill worker's: 242.4 / 227.0 tok/s against
+191.8 / 173.0 with `--huge-pages off`.
 
 `collapse_loaded` runs once the weights are loaded and packed: MADV_COLLAPSE (Linux 6.1+) copies
 each 2 MB range into a huge page there and then. The weights are many tensors of a few hundred KB in
@@ -18,8 +20,11 @@ MADV_HUGEPAGE instead (khugepaged may collapse it later, slowly); where THP is o
 
 Measured and not kept: the KV cache's mapping advised MADV_HUGEPAGE before it is written. Once
 written, a 32-sequence attention over 30 layers ran 43 -> 35 ms (one thread); but each first write
-into a 2 MB range then faults a huge page in (zeroed, compacted for, with THP's `madvise` defrag),
-and decode steps of 32 sequences whose blocks were being written took 45.0-51.4 ms against 41.7-43.6.
+into a 2 MB range then faults a huge page in (zeroed, compacted for, with THP's `madvise` defrag):
+decode steps of 32 sequences whose blocks were being written took 45.0-51.4 ms against 41.7-43.6, and
+the stack at 32 streams served 194.0 / 190.2 tok/s against 227.1 / 235.0. Faulting the whole cache in
+at start instead (its RSS from the start, as vLLM's CPU backend allocates it): 264.1 / 234.4 against
+247.3, within the noise, for 1.5 GB more resident from the start: not kept either.
 """
 
 from __future__ import annotations
