@@ -61,7 +61,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=PROMPT)
     p.add_argument("--huge-pages", choices=["on", "off"], default="on",
-                   help="the KV cache and weights on 2 MB pages, as a worker's default (runtime.huge_pages)")
+                   help="the loaded weights on 2 MB pages, as a worker's default (runtime.huge_pages)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))

@@ -34,6 +34,29 @@ def test_only_private_anonymous_read_write_mappings_are_listed(tmp_path: Path) -
         (0x55d0c2000000, 0x55d0c4000000), (0x7f0000000000, 0x7f0004000000), (0x7f0009000000, 0x7f0009400000)]
 
 
+SMAPS = """\
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0
+Size:               4096 kB
+Rss:                4096 kB
+AnonHugePages:      2048 kB
+VmFlags: rd wr mr mw me ac hg
+7f0000400000-7f0000401000 rw-p 00000000 00:00 0
+Size:                  4 kB
+Rss:                   4 kB
+AnonHugePages:         0 kB
+"""
+
+
+def test_a_mapping_field_is_read_from_the_mapping_holding_the_address(tmp_path: Path) -> None:
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    assert huge_pages.mapping_field(0x7f0000100000, "AnonHugePages", smaps) == 2048 * 1024
+    assert huge_pages.mapping_field(0x7f0000100000, "Rss", smaps) == 4096 * 1024
+    assert huge_pages.mapping_field(0x7f0000400010, "AnonHugePages", smaps) == 0
+    assert huge_pages.mapping_field(0x7f0000400010, "Rss", smaps) == 4096
+    assert huge_pages.mapping_field(0x100, "Rss", smaps) == 0  # no mapping holds it
+
+
 def test_the_thp_setting_is_read_from_its_brackets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     setting = tmp_path / "enabled"
     monkeypatch.setattr(huge_pages, "THP_SETTING", setting)
@@ -44,19 +67,6 @@ def test_the_thp_setting_is_read_from_its_brackets(tmp_path: Path, monkeypatch: 
     assert not huge_pages.available()  # "never": nothing to ask for
     setting.unlink()
     assert huge_pages.thp_mode() is None and not huge_pages.available()
-
-
-def mapping_field(address: int, field: str) -> int:
-    """A field (kB) of the /proc/self/smaps entry holding `address`, in bytes."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == field + ":":
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def kernel_version() -> tuple[int, int]:
@@ -71,15 +81,14 @@ def test_loaded_memory_is_collapsed_and_an_excluded_mapping_left_alone() -> None
     cache = mmap.mmap(-1, 16 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as kv_cache.zero_pages
     cache_tensor = torch.frombuffer(cache, dtype=torch.uint8, count=16 * MB)
     cache_tensor[:4096] = 1  # one page written
-    cache_rss = mapping_field(cache_tensor.data_ptr(), "Rss")
+    cache_rss = huge_pages.mapping_field(cache_tensor.data_ptr(), "Rss")
     result = huge_pages.collapse_loaded(exclude=[huge_pages.span(cache_tensor)])
     if kernel_version() < (6, 1):
         pytest.skip(f"Linux {platform.release()} has no MADV_COLLAPSE (6.1+)")
     assert result.collapsed >= 14 * MB
     # at least the 2 MB ranges wholly inside the tensor (its mapping may hold more)
-    assert huge_pages.huge_bytes(weights.data_ptr()) >= 14 * MB
-    assert huge_pages.huge_bytes(weights.data_ptr()) == mapping_field(weights.data_ptr(), "AnonHugePages")
-    assert mapping_field(cache_tensor.data_ptr(), "Rss") == cache_rss  # not made resident
+    assert huge_pages.mapping_field(weights.data_ptr(), "AnonHugePages") >= 14 * MB
+    assert huge_pages.mapping_field(cache_tensor.data_ptr(), "Rss") == cache_rss  # not made resident
     assert torch.equal(weights, torch.ones_like(weights)) and int(cache_tensor.sum()) == 4096  # contents kept
 
 

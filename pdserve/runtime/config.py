@@ -142,10 +142,10 @@ class EngineConfig:
     # share's count of the moment (runtime.core_share). The step drops to one thread for a while when
     # it finds its cores taken (StepThreads).
     step_threads: int = 0
-    # On the CPU, the KV cache's mapping asks for 2 MB pages and the loaded weights' memory is collapsed
-    # into them (runtime.huge_pages: fewer TLB misses in a step's reads). Off by default here (a test's
-    # many small engines gain nothing and each would rescan the process's mappings); on by default for
-    # the workers and the benchmarks (engine_args: --huge-pages).
+    # On the CPU, the loaded weights' memory collapsed into 2 MB pages (runtime.huge_pages: fewer TLB
+    # misses in a step's weight reads). Off by default here (a test's many small engines gain nothing,
+    # and each would rescan the process's mappings); on by default for the workers and the benchmarks
+    # (engine_args: --huge-pages).
     huge_pages: bool = False
 
     def __post_init__(self) -> None:

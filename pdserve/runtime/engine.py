@@ -142,8 +142,8 @@ class Engine:
         model = LlamaModel(model_config, weights, self.config.device, step_threads=self.config.step_threads)
         if self.config.dense_copy:
             model.keep_dense_copies()
-        if self.config.huge_pages and self.config.device == "cpu":  # the weights as packed, every form made
-            huge_pages.collapse_loaded(exclude=[huge_pages.span(self.kv_cache)])  # (all of the cache: resident)
+        if self.config.huge_pages and self.config.device == "cpu":  # the weights as packed, every form made;
+            huge_pages.collapse_loaded(exclude=[huge_pages.span(self.kv_cache)])  # not the cache (all resident)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
         if self.config.cuda_graph:  # a no-op off the GPU
             widest = -(-model_config.max_position_embeddings // cache.block_size)

@@ -16,7 +16,8 @@ the allocator's heaps, so it collapses the process's anonymous read-write mappin
 but for the ones named (the KV cache: collapsing its untouched pages would make all of it resident).
 The RSS grows by what the ranges held unwritten (SmolLM2's worker: 983 -> 989 MB). A range the
 kernel will not collapse (EINVAL: a kernel before 6.1, or a mapping it finds ineligible) is asked
-MADV_HUGEPAGE instead (khugepaged may collapse it later, slowly); where THP is off, nothing changes. Contents never change: only how the kernel maps them.
+MADV_HUGEPAGE instead (khugepaged may collapse it later, slowly); where THP is off, nothing changes.
+Contents never change: only how the kernel maps them.
 
 Measured and not kept: the KV cache's mapping advised MADV_HUGEPAGE before it is written. Once
 written, a 32-sequence attention over 30 layers ran 43 -> 35 ms (one thread); but each first write
@@ -112,8 +113,9 @@ def anonymous_mappings(maps: Path = Path("/proc/self/maps")) -> Iterator[tuple[i
         yield start, end
 
 
-def huge_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> int:
-    """AnonHugePages of the mapping holding `address`, in bytes (0 where none or unknown)."""
+def mapping_field(address: int, field: str, smaps: Path = Path("/proc/self/smaps")) -> int:
+    """A field of /proc/self/smaps ("AnonHugePages", "Rss", ...) for the mapping holding `address`, in
+    bytes; 0 where no mapping holds it or there is no such file (not Linux)."""
     try:
         lines = smaps.read_text().splitlines()
     except OSError:
@@ -121,10 +123,10 @@ def huge_bytes(address: int, smaps: Path = Path("/proc/self/smaps")) -> int:
     inside = False
     for line in lines:
         head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field + ":":
             return int(line.split()[1]) * 1024
     return 0
 
