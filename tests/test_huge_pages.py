@@ -1,5 +1,6 @@
 """The loaded weights on 2 MB pages (runtime.huge_pages): the kernel's own accounting (/proc/self/smaps)
-says what got collapsed; what was excluded stays as it was; an engine's tokens do not change."""
+says what got collapsed and that what was excluded stays as it was; an engine collapses a large model's
+weights, never its KV cache, and leaves a tiny model alone."""
 
 from __future__ import annotations
 
@@ -92,20 +93,37 @@ def test_loaded_memory_is_collapsed_and_an_excluded_mapping_left_alone() -> None
     assert torch.equal(weights, torch.ones_like(weights)) and int(cache_tensor.sum()) == 4096  # contents kept
 
 
-def test_an_engine_on_huge_pages_generates_the_same_tokens() -> None:
+def test_an_engine_collapses_a_large_models_weights_but_never_its_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve.runtime.config import CacheConfig, EngineConfig
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import load_checkpoint
-    from pdserve.runtime.sampling_params import SamplingParams
 
+    calls: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(huge_pages, "collapse_loaded",  # the real one is tested above, on a process of its own size
+                        lambda exclude=(): calls.append(list(exclude)) or huge_pages.Collapsed())
     checkpoint = load_checkpoint(STORIES_GGUF)
-    prompts = [[1, 403, 407, 261, 100], [1, 9, 300]]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    tokens = []
-    for huge in (False, True):
-        engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=64), huge_pages=huge))
-        tokens.append([seq.output_ids for seq in engine.generate(prompts, params)])
-    assert tokens[0] == tokens[1] and all(len(out) == 12 for out in tokens[0])
+
+    def engine(huge: bool) -> Engine:
+        return Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=64), huge_pages=huge))
+
+    engine(True)
+    assert calls == []  # 260K parameters: its weights live in cache, the collapse's seconds would buy nothing
+    monkeypatch.setattr(huge_pages, "MIN_PARAMETERS", 0)
+    large = engine(True)
+    assert calls == [[huge_pages.span(large.kv_cache)]]
+    engine(False)
+    assert len(calls) == 1
+
+
+def test_smollm2_is_worth_collapsing_and_stories260k_is_not() -> None:
+    import dataclasses
+
+    from pdserve.runtime.loader import load_checkpoint
+
+    stories = load_checkpoint(STORIES_GGUF).config
+    smollm2 = dataclasses.replace(stories, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                  num_heads=9, num_kv_heads=3, head_dim=64)
+    assert not huge_pages.worth_it(stories) and huge_pages.worth_it(smollm2)
 
 
 def test_workers_and_up_take_huge_pages_by_default() -> None:

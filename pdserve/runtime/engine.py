@@ -19,6 +19,7 @@ the worker services ask through AsyncEngine's typed commands.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -142,8 +143,12 @@ class Engine:
         model = LlamaModel(model_config, weights, self.config.device, step_threads=self.config.step_threads)
         if self.config.dense_copy:
             model.keep_dense_copies()
-        if self.config.huge_pages and self.config.device == "cpu":  # the weights as packed, every form made;
-            huge_pages.collapse_loaded(exclude=[huge_pages.span(self.kv_cache)])  # not the cache (all resident)
+        if self.config.huge_pages and self.config.device == "cpu" and huge_pages.worth_it(model_config):
+            # the weights as packed, every form made; not the cache (it would all be resident)
+            started = time.monotonic()
+            done = huge_pages.collapse_loaded(exclude=[huge_pages.span(self.kv_cache)])
+            log.info("weights on 2 MB pages (--huge-pages): %d MB collapsed, %d MB advised, in %.1f s",
+                     done.collapsed >> 20, done.advised >> 20, time.monotonic() - started)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
         if self.config.cuda_graph:  # a no-op off the GPU
             widest = -(-model_config.max_position_embeddings // cache.block_size)

@@ -19,6 +19,12 @@ kernel will not collapse (EINVAL: a kernel before 6.1, or a mapping it finds ine
 MADV_HUGEPAGE instead (khugepaged may collapse it later, slowly); where THP is off, nothing changes.
 Contents never change: only how the kernel maps them.
 
+It is not free: copying into fresh 2 MB pages took 4.1-7.4 s for SmolLM2's 786 MB on this host
+(glibc's `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which has the allocator ask for huge pages as it
+maps, costs the same 5 s at load), so a worker is ready that much later; a model whose dense weights
+are under MIN_PARAMETERS (stories260K and the tests' random models) gains nothing measurable from it
+and is left alone (a tiny-model stack started 1.4-1.9 s later with it).
+
 Measured and not kept: the KV cache's mapping advised MADV_HUGEPAGE before it is written. Once
 written, a 32-sequence attention over 30 layers ran 43 -> 35 ms (one thread); but each first write
 into a 2 MB range then faults a huge page in (zeroed, compacted for, with THP's `madvise` defrag):
@@ -42,6 +48,9 @@ HUGE_PAGE = 1 << 21
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25  # Linux 6.1+
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# Below this many parameters (about 32 MB of bf16 weights: the size of a server CPU's L3 share) the
+# step's weights mostly come from cache, and the collapse's seconds buy nothing.
+MIN_PARAMETERS = 16_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,14 @@ def thp_mode() -> str | None:
 def available() -> bool:
     """Whether asking for huge pages can change anything here: Linux with THP not `never`."""
     return thp_mode() in ("always", "madvise") and _libc() is not None
+
+
+def worth_it(model) -> bool:
+    """Whether a model (a ModelConfig) is large enough for `collapse_loaded` to pay (MIN_PARAMETERS): its
+    embeddings and its layers' projections, roughly."""
+    kv_width = model.num_kv_heads * model.head_dim
+    per_layer = model.hidden_size * (2 * model.hidden_size + 2 * kv_width + 3 * model.intermediate_size)
+    return model.vocab_size * model.hidden_size + model.num_layers * per_layer >= MIN_PARAMETERS
 
 
 def collapse_loaded(exclude: Iterable[tuple[int, int]] = ()) -> Collapsed:
