@@ -21,8 +21,8 @@ Contents never change: only how the kernel maps them.
 
 It is not free: copying into fresh 2 MB pages took 4.1-7.4 s for SmolLM2's 786 MB on this host
 (glibc's `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which has the allocator ask for huge pages as it
-maps, costs the same 5 s at load), so a worker is ready that much later; a model whose dense weights
-are under MIN_PARAMETERS (stories260K and the tests' random models) gains nothing measurable from it
+maps, costs the same 5 s at load), so a worker is ready that much later; a model of fewer than
+MIN_PARAMETERS parameters (stories260K and the tests' random models) gains nothing measurable from it
 and is left alone (a tiny-model stack started 1.4-1.9 s later with it).
 
 Measured and not kept: the KV cache's mapping advised MADV_HUGEPAGE before it is written. Once
