@@ -78,7 +78,7 @@ def add_huge_pages_arg(p: argparse.ArgumentParser) -> None:
                    help="on the CPU, the loaded weights' memory collapsed into 2 MB pages (Linux transparent huge "
                         "pages, where the host allows them): a step's weight reads miss the TLB far less (SmolLM2 "
                         "bf16, 2-core Xeon: a one-stream decode step 12.7 -> 8.4 ms), at some seconds of start "
-                        "(SmolLM2: 4-7 s); models under 16 M parameters are left alone; the RSS grows by a few MB "
+                        "(SmolLM2: 4-11 s); models under 16 M parameters are left alone; the RSS grows by a few MB "
                         "(default: %(default)s)")
 
 

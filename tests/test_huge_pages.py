@@ -4,6 +4,7 @@ weights, never its KV cache, and leaves a tiny model alone."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import platform
 from pathlib import Path
@@ -75,22 +76,30 @@ def kernel_version() -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-def test_loaded_memory_is_collapsed_and_an_excluded_mapping_left_alone() -> None:
+def test_the_whole_huge_pages_of_the_mappings_not_excluded_are_collapsed() -> None:
+    mappings = [(0x7f0000000000, 0x7f0000a00000), (0x7f0000b00000, 0x7f0001000000), (0x7f0001000000, 0x7f0001100000),
+                (0x7f0002000000, 0x7f0002400000)]
+    kv_cache = (0x7f0002100000, 0x7f0002200000)  # inside the last mapping
+    assert huge_pages.loaded_ranges(mappings, exclude=[kv_cache]) == [
+        (0x7f0000000000, 0x7f0000a00000),  # already aligned: all of it
+        (0x7f0000c00000, 0x7f0001000000)]  # rounded inward; the 1 MB mapping holds no whole huge page
+
+
+def test_a_written_mapping_is_collapsed_in_place() -> None:
     if not huge_pages.available():
         pytest.skip(f"transparent huge pages are off here ({huge_pages.thp_mode()})")
-    weights = torch.ones(16 * MB // 4)  # written: resident, on 4 KB pages unless THP is `always`
-    cache = mmap.mmap(-1, 16 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as kv_cache.zero_pages
-    cache_tensor = torch.frombuffer(cache, dtype=torch.uint8, count=16 * MB)
-    cache_tensor[:4096] = 1  # one page written
-    cache_rss = huge_pages.mapping_field(cache_tensor.data_ptr(), "Rss")
-    result = huge_pages.collapse_loaded(exclude=[huge_pages.span(cache_tensor)])
     if kernel_version() < (6, 1):
         pytest.skip(f"Linux {platform.release()} has no MADV_COLLAPSE (6.1+)")
-    assert result.collapsed >= 14 * MB
-    # at least the 2 MB ranges wholly inside the tensor (its mapping may hold more)
-    assert huge_pages.mapping_field(weights.data_ptr(), "AnonHugePages") >= 14 * MB
-    assert huge_pages.mapping_field(cache_tensor.data_ptr(), "Rss") == cache_rss  # not made resident
-    assert torch.equal(weights, torch.ones_like(weights)) and int(cache_tensor.sum()) == 4096  # contents kept
+    pages = mmap.mmap(-1, 16 * MB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # weights' memory, as written
+    weights = torch.frombuffer(pages, dtype=torch.float32)
+    weights.fill_(1.5)
+    ranges = huge_pages.loaded_ranges([huge_pages.span(weights)])
+    result = huge_pages.collapse(ranges)
+    if result.failed and result.errors <= {errno.ENOMEM, errno.EAGAIN}:
+        pytest.skip("the kernel had no free huge pages for the range now (ENOMEM / EAGAIN: best effort)")
+    assert result.collapsed == sum(hi - lo for lo, hi in ranges) >= 14 * MB
+    assert huge_pages.mapping_field(weights.data_ptr(), "AnonHugePages") >= 14 * MB  # the kernel's own account
+    assert torch.equal(weights, torch.full_like(weights, 1.5))  # contents kept
 
 
 def test_an_engine_collapses_a_large_models_weights_but_never_its_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ kernel will not collapse (EINVAL: a kernel before 6.1, or a mapping it finds ine
 MADV_HUGEPAGE instead (khugepaged may collapse it later, slowly); where THP is off, nothing changes.
 Contents never change: only how the kernel maps them.
 
-It is not free: copying into fresh 2 MB pages took 4.1-7.4 s for SmolLM2's 786 MB on this host
+It is not free: copying into fresh 2 MB pages took 4.1-10.6 s for SmolLM2's 786 MB on this host
 (glibc's `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which has the allocator ask for huge pages as it
 maps, costs the same 5 s at load), so a worker is ready that much later; a model of fewer than
 MIN_PARAMETERS parameters (stories260K and the tests' random models) gains nothing measurable from it
@@ -55,11 +55,14 @@ MIN_PARAMETERS = 16_000_000
 
 @dataclass(frozen=True, slots=True)
 class Collapsed:
-    """What `collapse_loaded` did: bytes now on 2 MB pages, and bytes only advised MADV_HUGEPAGE (ranges
-    the kernel would not collapse)."""
+    """What `collapse` did, in bytes: now on 2 MB pages; only advised MADV_HUGEPAGE (ranges the kernel
+    would not collapse: EINVAL); not collapsed for want of free huge pages or a busy range (ENOMEM,
+    EAGAIN: best effort, those stay on 4 KB pages)."""
 
     collapsed: int = 0
     advised: int = 0
+    failed: int = 0
+    errors: frozenset[int] = frozenset()  # the errnos of the failed ranges
 
 
 def thp_mode() -> str | None:
@@ -88,22 +91,39 @@ def worth_it(model) -> bool:
 def collapse_loaded(exclude: Iterable[tuple[int, int]] = ()) -> Collapsed:
     """Collapses the process's anonymous read-write memory (the loaded weights) into 2 MB pages, but for
     the mappings overlapping the [start, end) ranges in `exclude`."""
-    libc = _libc()
-    if libc is None or not available():
+    if not available():
         return Collapsed()
+    return collapse(loaded_ranges(anonymous_mappings(), exclude))
+
+
+def loaded_ranges(mappings: Iterable[tuple[int, int]],
+                  exclude: Iterable[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """The whole 2 MB pages inside each [start, end) mapping that overlaps no range of `exclude`."""
     skip = list(exclude)
-    collapsed = advised = 0
-    for start, end in anonymous_mappings():
-        if any(s < end and start < e for s, e in skip):
-            continue
-        lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE  # whole huge pages inside
-        if hi <= lo:
-            continue
+    ranges = []
+    for start, end in mappings:
+        lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if hi > lo and not any(s < end and start < e for s, e in skip):
+            ranges.append((lo, hi))
+    return ranges
+
+
+def collapse(ranges: Iterable[tuple[int, int]]) -> Collapsed:
+    """MADV_COLLAPSE on each [start, end) range (2 MB aligned); MADV_HUGEPAGE where the kernel will not."""
+    libc = _libc()
+    if libc is None:
+        return Collapsed()
+    collapsed = advised = failed = 0
+    errors: set[int] = set()
+    for lo, hi in ranges:
         if libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
             collapsed += hi - lo
         elif ctypes.get_errno() == errno.EINVAL and libc.madvise(lo, hi - lo, MADV_HUGEPAGE) == 0:
             advised += hi - lo  # khugepaged's to do, if it will
-    return Collapsed(collapsed=collapsed, advised=advised)
+        else:
+            failed += hi - lo
+            errors.add(ctypes.get_errno())
+    return Collapsed(collapsed=collapsed, advised=advised, failed=failed, errors=frozenset(errors))
 
 
 def span(tensor) -> tuple[int, int]:
