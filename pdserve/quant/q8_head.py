@@ -16,6 +16,15 @@ kept in oneDNN's blocked layout where torch has oneDNN (`packed`: F.linear re-la
 on every call; SmolLM2's head at 32 rows, 2 threads: 2.51 -> 1.55 ms, the same bits), else plain
 (`dense`). The embedding reads the plain weight, or, beside the packed one, rounds the codes' rows
 to bf16: the loaded weight's bits (it was rounded from the same products), without a second copy.
+
+On a CPU with AMX-BF16, steps of BF16_KERNEL_BELOW_ROWS to 32 rows (decode steps of 5-32 sequences)
+multiply the codes on AMX tiles instead (kernels/cpu/int4_amx.c: each panel of
+codes widened to the bf16 weight, bit for bit, then the dense matmul's products): 32 MB read a step
+instead of the dense weight's 57, in blocks of their own layout (`amx_blocks`, 32 MB more resident).
+SmolLM2's head, its weights from memory (`benchmarks/q8_head_bench.py`, a 2-core Xeon), one thread:
+7.7 against 8.3 ms at 8 rows, 9.6-9.8 against 11.1-11.5 at 32; two threads: 4.0 against 4.4 at 8,
+5.2 against 6.0 at 32. From 33 rows the tiles multiply twice a panel and the dense matmul is faster
+(40 rows: 11.0 against 9.6 ms).
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ GROUP = 32
 # (SmolLM2's head alone, one thread, Xeon with AVX512-BF16: 1.98 against 3.50 ms at 1 row, 3.62
 # against 3.97 at 4, 6.06 against 3.92 at 8; whole decode step at 1 sequence 15.0 -> 13.7 ms).
 BF16_KERNEL_BELOW_ROWS = 5
+# bf16 steps of BF16_KERNEL_BELOW_ROWS up to this many rows (exclusive) on the AMX kernel where it runs:
+# one 32-row run of the tiles a panel.
+AMX_BELOW_ROWS = 33
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +58,7 @@ class Q8Head:
     dense: torch.Tensor | None = None  # [V, D] bf16: the plain weight for bf16 compute
     packed: torch.Tensor | None = None  # the bf16 weight in oneDNN's layout instead (`with_packed`)
     exact_inputs: bool = False  # fp32: hidden states as they are (W8A32), not quantized to int8
+    amx_blocks: torch.Tensor | None = None  # [V / 16, D / 32, 576] uint8: the codes for AMX (bf16 compute)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor) -> Q8Head:
@@ -75,7 +88,16 @@ class Q8Head:
         """This bf16 head with its dense weight in oneDNN's blocked layout instead of plain (itself
         where torch has no oneDNN or it has no plain bf16 weight)."""
         packed = None if self.dense is None else onednn_packed(self.dense)
-        return self if packed is None else Q8Head(self.codes, self.scale, None, packed)
+        return self if packed is None else Q8Head(self.codes, self.scale, None, packed, amx_blocks=self.amx_blocks)
+
+    def with_amx_blocks(self) -> Q8Head:
+        """This bf16 head with its codes also laid out for the AMX kernel where it runs (itself
+        elsewhere, or for fp32 compute, or a shape the kernel does not take)."""
+        v, d = self.codes.shape
+        if (self.bf16_weight is None or v % cpu_int4_matmul.AMX_PANEL or d % cpu_int4_matmul.AMX_PANEL
+                or not cpu_int4_matmul.amx_available()):
+            return self
+        return replace(self, amx_blocks=cpu_int4_matmul.amx_int8_blocks(self.codes, self.scale))
 
     @property
     def shape(self) -> torch.Size:
@@ -95,7 +117,8 @@ class Q8Head:
     @property
     def nbytes(self) -> int:
         dense = 0 if self.bf16_weight is None else self.codes.numel() * self.dtype.itemsize
-        return self.codes.numel() + self.scale.numel() * 4 + dense
+        amx = 0 if self.amx_blocks is None else self.amx_blocks.numel()
+        return self.codes.numel() + self.scale.numel() * 4 + dense + amx
 
     def to(self, device: str | torch.device) -> Q8Head:
         if torch.device(device).type != "cpu":
@@ -120,10 +143,15 @@ class Q8Head:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] -> logits [S, V] float32."""
         if self.bf16_weight is not None:
-            if hidden.shape[0] < BF16_KERNEL_BELOW_ROWS:
+            rows = hidden.shape[0]
+            if rows < BF16_KERNEL_BELOW_ROWS:
                 y = cpu_int4_matmul.matmul_int8_bf16(hidden, self.codes, self.scale)
                 if y is not None:  # rounded to bf16 as the dense matmul's output is: the same precision
                     return y.to(torch.bfloat16).float()
+            elif rows < AMX_BELOW_ROWS and self.amx_blocks is not None:
+                y = cpu_int4_matmul.matmul_int8_amx(hidden, self.amx_blocks, self.codes.shape[0])
+                if y is not None:  # bf16, as the dense matmul's output
+                    return y.float()
             if self.packed is not None:
                 return linear_packed(hidden, self.packed, None).float()
             return F.linear(hidden, self.dense).float()
@@ -165,7 +193,7 @@ def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str
             codes = replace(codes, exact_inputs=True)
     else:  # the loaded weight is rounded to bf16: the codes from the file, its types read with them
         codes = Q8Head.from_file(checkpoint.source, gguf_name, weights[name])
-        codes = None if codes is None else codes.with_packed()
+        codes = None if codes is None else codes.with_packed().with_amx_blocks()
     if codes is None:
         return weights
     return {**weights, name: codes, **({head: codes} if tied else {})}

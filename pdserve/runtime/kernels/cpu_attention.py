@@ -36,7 +36,8 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # fp32 AVX2 passes (paged_attention_f32.c); the INT8 KV write (kv_write.c, loaded by cpu_kv_write)
 # ships with the decode attention that reads what it writes; the 4- and 8-bit weight matmuls
 # (int4_matmul.c for fp32 inputs quantized to int8, int4_exact.c for them as they are, bf16_matmul.c
-# for an 8-bit head's bf16 inputs, int4_amx.c for 4-bit weights on AMX tiles with bf16 inputs: all
+# for an 8-bit head's bf16 inputs, int4_amx.c for 4-bit weights and an 8-bit head on AMX tiles with
+# bf16 inputs: all
 # through cpu_int4_matmul), the layer's row operations
 # (layer_ops.c, cpu_layer_ops) and the one-call decode step built on all of them (decode_step.c,
 # cpu_decode_step).
@@ -66,6 +67,9 @@ _AMX_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] 
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 # x, m, k, x_stride; codes, scale; n, y, y_stride, threads
 _INT8_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+# x, m, k, x_stride; blocks (codes and scales); n, y, y_stride, threads (int4_amx.c)
+_INT8_AMX_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # The row operations of kernels/cpu/layer_ops.c (called through cpu_layer_ops).
@@ -178,7 +182,8 @@ def library() -> ctypes.CDLL | None:
     lib.decode_step.restype = ctypes.c_int
     for name, argtypes in (("int4_linear_f32", _INT4_LINEAR_ARGS), ("int4_linear_bf16", _INT4_LINEAR_ARGS),
                            ("int8_linear_f32", _INT8_LINEAR_ARGS), ("int8_linear_bf16", _INT8_LINEAR_ARGS),
-                           ("int4_linear_exact_f32", _INT4_LINEAR_ARGS), ("int8_linear_exact_f32", _INT8_LINEAR_ARGS)):
+                           ("int4_linear_exact_f32", _INT4_LINEAR_ARGS), ("int8_linear_exact_f32", _INT8_LINEAR_ARGS),
+                           ("int8_amx_linear", _INT8_AMX_LINEAR_ARGS)):
         getattr(lib, f"{name}_threads").argtypes, getattr(lib, f"{name}_threads").restype = argtypes, ctypes.c_int
     lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int
     lib.int4_amx_available.argtypes, lib.int4_amx_available.restype = [], ctypes.c_int

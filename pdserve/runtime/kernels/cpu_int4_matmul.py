@@ -173,6 +173,14 @@ def matmul_amx(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Ten
     scales_and_zeros: [K / 32, N, 2] bf16, contiguous (torch's int4 kernel's layout).
     None where the kernel does not apply (not bf16 [M, K] on the CPU, K or N not a multiple of 32, or
     no AMX)."""
+    return _on_amx(x, n, lambda lib, x_ptr, m, k, x_stride, y_ptr, threads: lib.int4_amx_linear_threads(
+        x_ptr, m, k, x_stride, codes.data_ptr(), scales_and_zeros.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        n, y_ptr, n, threads))
+
+
+def _on_amx(x: torch.Tensor, n: int, entry) -> torch.Tensor | None:
+    """y [M, N] bf16 from `entry(lib, x, m, k, x_stride, y, threads)`, one of int4_amx.c's `_threads`
+    entry points bound to its weights; None where the AMX kernels do not apply to x and n."""
     if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % AMX_PANEL == 0
             and n % AMX_PANEL == 0 and amx_available()):
         return None
@@ -181,8 +189,25 @@ def matmul_amx(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Ten
         x = x.contiguous()
     y = torch.empty((m, n), dtype=torch.bfloat16)
     threads = cpu_attention.threads_for(n, AMX_MIN_ROWS_PER_THREAD)
-    if cpu_attention.library().int4_amx_linear_threads(
-            x.data_ptr(), m, k, x.stride(0), codes.data_ptr(), scales_and_zeros.data_ptr(),
-            0 if bias is None else bias.data_ptr(), n, y.data_ptr(), n, threads):
+    if entry(cpu_attention.library(), x.data_ptr(), m, k, x.stride(0), y.data_ptr(), threads):
         raise MemoryError(f"no scratch for a {n} x {k} weight's AMX panel")
     return y
+
+
+def amx_int8_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] int8, scale [N, K / 32] fp32 -> [N / 16, K / 32, 576] uint8, the AMX kernel's 8-bit
+    layout: per block of 16 outputs and 32 inputs, 16 lines of 32 codes (line r's byte 2c + j is output
+    c's input 2r + j: the tiles' pairs), then the 16 outputs' fp32 scales of the block's group."""
+    n, k = codes.shape
+    lanes = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
+    scales = scale.float().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()  # [N / 16, K / 32, 16]
+    return torch.cat((lanes.view(torch.uint8), scales.view(torch.uint8).view(n // 16, k // 32, 64)), dim=2).contiguous()
+
+
+def matmul_int8_amx(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor | None:
+    """x [M, K] bf16 times w[n, k] = bf16(q[n, k] * scale[n, k / 32]) -> y [M, N] bf16: the dense bf16
+    matmul of those weights (the same bits where they are the loaded weight), summed in fp32 on AMX
+    tiles, reading 1.1 bytes a weight instead of two. blocks: `amx_int8_blocks`' layout. None where the
+    kernel does not apply (not bf16 [M, K] on the CPU, K or N not a multiple of 32, or no AMX)."""
+    return _on_amx(x, n, lambda lib, x_ptr, m, k, x_stride, y_ptr, threads: lib.int8_amx_linear_threads(
+        x_ptr, m, k, x_stride, blocks.data_ptr(), n, y_ptr, n, threads))

@@ -1,5 +1,5 @@
-// 4-bit weights times bf16 inputs on AMX tiles (Intel Sapphire Rapids and later): y = x @ w^T, w the
-// dense bf16 weight the codes stand for, dequantized a panel of 32 output rows at a time in cache.
+// 4- and 8-bit weights times bf16 inputs on AMX tiles (Intel Sapphire Rapids and later): y = x @ w^T,
+// w the dense bf16 weight the codes stand for, dequantized a panel of 32 output rows at a time in cache.
 //
 // Why: a bf16 decode step of 8-32 sequences is bound by reading its weights (oneDNN's dense bf16
 // matmul runs on AMX, but reads 2 bytes a weight: SmolLM2's 212 MB of projections a step, about 35 ms
@@ -18,6 +18,15 @@
 // (`dequantize_block`). Scales and zeros are read where torch's int4 kernel reads them
 // (`Int4Linear.scales_and_zeros`, [K / 32, N, 2] bf16): a block's 16 (scale, zero) pairs are 64
 // contiguous bytes.
+//
+// 8-bit codes (an output head kept as its file's Q8_0: pdserve.quant.q8_head) take the same panels:
+// w[n, k] = bf16(q * scale), q in -127..127 and scale the group's fp32 (the file's fp16), whose
+// product is exact in fp32, so w is the loaded bf16 weight bit for bit. A block is 576 bytes: its
+// 16 x 32 codes as 16 lines of 32 bytes in the tiles' pair order (line r's byte 2c + j: output c's
+// input 2r + j), then its 16 outputs' scales; blocks in the panels' order, so that the kernel reads one
+// stream (with the scales apart, [K / 32, N], a panel's 18 scale lines lay 18 pages apart: SmolLM2's
+// head at 32 rows, one thread, 9.9 ms against 8.1 so). That head then reads 32 MB a step instead of
+// the dense copy's 57.
 #define _GNU_SOURCE  // syscall(), for arch_prctl
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,7 +53,7 @@ int int4_amx_available(void) {
 }
 
 #ifdef PDSERVE_AMX
-enum { PANEL = 32, BLOCK_BYTES = 256, TILE_ELEMS = 16 * 32 };
+enum { PANEL = 32, BLOCK_BYTES = 256, Q8_BLOCK_BYTES = 512 + 64, TILE_ELEMS = 16 * 32 };
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -89,6 +98,23 @@ static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, u
     }
 }
 
+// One block's 16 x 32 bf16 weights from its 512 bytes of 8-bit codes and its 16 fp32 scales: each
+// line's two halves are 16 lanes of 8 outputs (their scales spread to pairs once a block), widened
+// exactly, scaled by one multiply (exact: above) and rounded to bf16 by one convert.
+static void widen_q8_block(const int8_t* codes, const float* scale, uint16_t* out) {
+    const __m512 scales = _mm512_loadu_ps(scale);
+    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512 scale_lo = _mm512_permutexvar_ps(pairs_lo, scales);
+    const __m512 scale_hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8)), scales);
+    for (int r = 0; r < 16; r++) {
+        const __m128i* line = (const __m128i*)(codes + 32 * r);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1)));
+        _mm512_storeu_si512(out + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale_hi),
+                                                                        _mm512_mul_ps(lo, scale_lo)));
+    }
+}
+
 // The cache lines of the block `blocks` blocks after this one (codes) and of its 16 (scale, zero)
 // pairs (`columns` outputs further on), fetched while this block is widened. Why: the dequantization
 // reads each block's codes once, from memory (a step reads every weight once), and waits on each
@@ -96,10 +122,9 @@ static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, u
 // Fetching the next panel's block as this one is widened (SmolLM2's 30 layers' projections, cold, one
 // thread of a 2-core Xeon: 31.7 -> 19.7 ms at 1 row, 33.4 -> 26.9 at 32; a decode step of 32
 // sequences on two threads 49.8 -> 43.8 ms, of 8: 32.4 -> 24.5).
-static inline void prefetch_block(const uint8_t* codes, int64_t blocks, const uint16_t* scale_zero, int64_t columns) {
-    const char* next = (const char*)(codes + blocks * BLOCK_BYTES);
-    for (int line = 0; line < BLOCK_BYTES; line += 64) __builtin_prefetch(next + line);
-    __builtin_prefetch(scale_zero + columns * 2);
+static inline void prefetch_block(const uint8_t* next_codes, int64_t block_bytes, const void* next_scales) {
+    for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch((const char*)next_codes + line);
+    if (next_scales) __builtin_prefetch(next_scales);
 }
 
 // Rows [m0, m0 + rows) (rows <= 32) of y's columns [n, n + 32) from a dequantized panel.
@@ -141,12 +166,13 @@ static void multiply_panel(const uint16_t* x, int64_t m0, int rows, int64_t kb, 
     }
 }
 
-// Output columns [n0, n1) (multiples of 32) of y [m, n] bf16 for x [m, k] bf16; 0, or -1 without scratch.
-// Also one member's part of the one-call decode step's projections (decode_step.c).
-int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                           const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
-                           uint16_t* y, int64_t y_stride) {
-    const int64_t kb = k / 32;
+// Output columns [n0, n1) (multiples of 32) of y [m, n] bf16 for x [m, k] bf16, from 4-bit codes with
+// bf16 (scale, zero) pairs (bits 4) or 8-bit codes with fp32 scales (bits 8); 0, or -1 without scratch.
+// Inlined with constant `bits` into each entry point below.
+static inline __attribute__((always_inline)) int amx_linear_part(
+        const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const void* scales,
+        const float* bias, int64_t n, int64_t n0, int64_t n1, uint16_t* y, int64_t y_stride, int bits) {
+    const int64_t kb = k / 32, block_bytes = bits == 4 ? BLOCK_BYTES : Q8_BLOCK_BYTES;
     uint16_t* panel = aligned_alloc(64, (size_t)(kb * 2 * TILE_ELEMS * sizeof(uint16_t)));
     float* acc = aligned_alloc(64, 32 * 32 * sizeof(float));
     if (!panel || !acc) {
@@ -159,12 +185,18 @@ int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
         const int last = col + PANEL >= n1;
         for (int64_t b = 0; b < kb; b++) {
             for (int64_t half = 0; half < 2; half++) {
-                const int64_t block = (col / 16 + half) * kb + b;
-                if (!last)  // the next panel's block: 2 * kb blocks on, its scales PANEL columns on
-                    prefetch_block(codes + block * BLOCK_BYTES, 2 * kb, scale_zero + (b * n + col + 16 * half) * 2,
-                                   PANEL);
-                dequantize_block(codes + block * BLOCK_BYTES, scale_zero + (b * n + col + 16 * half) * 2,
-                                 panel + (2 * b + half) * TILE_ELEMS);
+                const int64_t block = (col / 16 + half) * kb + b, first = b * n + col + 16 * half;
+                const uint8_t* block_codes = codes + block * block_bytes;
+                uint16_t* widened = panel + (2 * b + half) * TILE_ELEMS;
+                if (bits == 4) {
+                    const uint16_t* scale_zero = (const uint16_t*)scales + first * 2;
+                    if (!last)  // the next panel's block: 2 * kb blocks on, its scales PANEL columns on
+                        prefetch_block(block_codes + 2 * kb * block_bytes, block_bytes, scale_zero + PANEL * 2);
+                    dequantize_block(block_codes, scale_zero, widened);
+                } else {  // the codes' 512 bytes, then the scales
+                    if (!last) prefetch_block(block_codes + 2 * kb * block_bytes, block_bytes, NULL);
+                    widen_q8_block((const int8_t*)block_codes, (const float*)(block_codes + 512), widened);
+                }
             }
         }
         for (int64_t m0 = 0; m0 < m; m0 += 32) {
@@ -180,6 +212,18 @@ int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stri
     free(panel);
     free(acc);
     return 0;
+}
+
+// 4-bit codes; also one member's part of the one-call decode step's projections (decode_step.c).
+int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                         const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
+                         uint16_t* y, int64_t y_stride) {
+    return amx_linear_part(x, m, k, x_stride, codes, scale_zero, bias, n, n0, n1, y, y_stride, 4);
+}
+
+static int int8_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* blocks,
+                                int64_t n, int64_t n0, int64_t n1, uint16_t* y, int64_t y_stride) {
+    return amx_linear_part(x, m, k, x_stride, blocks, NULL, NULL, n, n0, n1, y, y_stride, 8);
 }
 #else
 int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
@@ -204,6 +248,21 @@ int int4_amx_linear_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_s
 #else
     (void)x, (void)m, (void)k, (void)x_stride, (void)codes, (void)scale_zero, (void)bias, (void)n, (void)y;
     (void)y_stride, (void)threads;
+    return -2;
+#endif
+}
+
+// x [m, k] bf16 times 8-bit codes and scales in blocks laid out as above (n and k multiples of 32)
+// -> y [m, n] bf16; the output rows split over `threads` in whole panels. 0, -1 without scratch,
+// -2 without the kernel.
+int int8_amx_linear_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* blocks,
+                            int64_t n, uint16_t* y, int64_t y_stride, int64_t threads) {
+#ifdef PDSERVE_AMX
+    if (!int4_amx_available()) return -2;
+    LINEAR_THREADS_ALIGNED(PANEL, int8_amx_linear_part(x, m, k, x_stride, blocks, n, n0, n1, y, y_stride))
+#else
+    (void)x, (void)m, (void)k, (void)x_stride, (void)blocks, (void)n, (void)y, (void)y_stride;
+    (void)threads;
     return -2;
 #endif
 }
