@@ -4,7 +4,10 @@ weights, never its KV cache, and leaves a tiny model alone."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
+import os
 import platform
 from pathlib import Path
 
@@ -102,14 +105,16 @@ def test_a_written_mapping_is_collapsed_in_place() -> None:
     assert torch.equal(weights, torch.full_like(weights, 1.5))  # contents kept
 
 
-def test_an_engine_collapses_a_large_models_weights_but_never_its_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_collapses_a_large_models_weights_but_never_its_kv_cache(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from pdserve.runtime.config import CacheConfig, EngineConfig
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import load_checkpoint
 
     calls: list[list[tuple[int, int]]] = []
+    done = huge_pages.Collapsed(collapsed=6 * MB, advised=2 * MB, failed=4 * MB, errors=frozenset({errno.ENOMEM}))
     monkeypatch.setattr(huge_pages, "collapse_loaded",  # the real one is tested above, on a process of its own size
-                        lambda exclude=(): calls.append(list(exclude)) or huge_pages.Collapsed())
+                        lambda exclude=(): calls.append(list(exclude)) or done)
     checkpoint = load_checkpoint(STORIES_GGUF)
 
     def engine(huge: bool) -> Engine:
@@ -118,10 +123,19 @@ def test_an_engine_collapses_a_large_models_weights_but_never_its_kv_cache(monke
     engine(True)
     assert calls == []  # 260K parameters: its weights live in cache, the collapse's seconds would buy nothing
     monkeypatch.setattr(huge_pages, "MIN_PARAMETERS", 0)
-    large = engine(True)
+    with caplog.at_level(logging.INFO, logger="pdserve.runtime.engine"):
+        large = engine(True)
     assert calls == [[huge_pages.span(large.kv_cache)]]
+    assert ("6 MB collapsed, 2 MB advised, 4 MB left on 4 KB pages (ENOMEM: Cannot allocate memory)"
+            in caplog.text)  # what the kernel would not do, said
     engine(False)
     assert len(calls) == 1
+
+
+def test_failed_ranges_errnos_are_named() -> None:
+    assert huge_pages.describe_errors(()) == "none"
+    assert huge_pages.describe_errors({errno.EAGAIN, errno.ENOMEM}) == (
+        f"EAGAIN: {os.strerror(errno.EAGAIN)}, ENOMEM: {os.strerror(errno.ENOMEM)}")
 
 
 def test_smollm2_is_worth_collapsing_and_stories260k_is_not() -> None:

@@ -147,8 +147,9 @@ class Engine:
             # the weights as packed, every form made; not the cache (it would all be resident)
             started = time.monotonic()
             done = huge_pages.collapse_loaded(exclude=[huge_pages.span(self.kv_cache)])
-            log.info("weights on 2 MB pages (--huge-pages): %d MB collapsed, %d MB advised, in %.1f s",
-                     done.collapsed >> 20, done.advised >> 20, time.monotonic() - started)
+            log.info("weights on 2 MB pages (--huge-pages): %d MB collapsed, %d MB advised, %d MB left on 4 KB "
+                     "pages (%s), in %.1f s", done.collapsed >> 20, done.advised >> 20, done.failed >> 20,
+                     huge_pages.describe_errors(done.errors), time.monotonic() - started)
         self.runner = ModelRunner(model, self.kv_cache, cache.block_size, self.config.device)
         if self.config.cuda_graph:  # a no-op off the GPU
             widest = -(-model_config.max_position_embeddings // cache.block_size)

@@ -40,6 +40,7 @@ import ctypes
 import ctypes.util
 import errno
 import functools
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,11 @@ class Collapsed:
     advised: int = 0
     failed: int = 0
     errors: frozenset[int] = frozenset()  # the errnos of the failed ranges
+
+
+def describe_errors(errors: Iterable[int]) -> str:
+    """The errnos of failed ranges as a person reads them ("ENOMEM: Cannot allocate memory"), or "none"."""
+    return ", ".join(f"{errno.errorcode.get(e, e)}: {os.strerror(e)}" for e in sorted(errors)) or "none"
 
 
 def thp_mode() -> str | None:
