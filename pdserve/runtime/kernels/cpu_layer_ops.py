@@ -12,9 +12,10 @@ one sequence spent about 2 of its 14 ms in torch's versions of these. bf16 SiLU 
 fewer than BF16_Q8_BELOW_ROWS rows (those the one-call step runs without AVX-512), and in every step
 on a CPU with AVX512-BF16, where its 16-lane fused pass is faster than torch's SiLU then multiply at
 any size (a 2-core Xeon, one thread, SmolLM2's 1536: 42 against 53 us at 32 rows, 415 against 552 at
-a 330-token prefill's; a 16-prompt prefill 2.31 -> 2.23 s). Torch's vectorized exp may differ from
-ours in an fp32 last bit, so the eager step takes ours wherever the one-call step could. With AVX2
-only, torch's was the faster on many rows (37 against 65 us at 32), and keeps them.
+a 330-token prefill's; 16 200-token prompts prefilled 2.29-2.45 -> 2.09-2.25 s). Torch's vectorized
+exp may differ from ours in an fp32 last bit, so the eager step takes ours wherever the one-call step
+could. Without AVX512-BF16 torch's keeps the steps of many rows, as before (not measured again: an
+earlier figure had it the faster, 37 against 65 us at 32 rows).
 """
 
 from __future__ import annotations

@@ -24,9 +24,8 @@
 // product is exact in fp32, so w is the loaded bf16 weight bit for bit. A block is 576 bytes: its
 // 16 x 32 codes as 16 lines of 32 bytes in the tiles' pair order (line r's byte 2c + j: output c's
 // input 2r + j), then its 16 outputs' scales; blocks in the panels' order, so that the kernel reads one
-// stream (with the scales apart, [K / 32, N], a panel's 18 scale lines lay 18 pages apart: SmolLM2's
-// head at 32 rows, one thread, 9.9 ms against 8.1 so). That head then reads 32 MB a step instead of
-// the dense copy's 57.
+// stream (the scales apart, [K / 32, N], measured within 2 %: SmolLM2's head at 32 rows, one thread,
+// 9.85 against 9.65 ms). That head then reads 32 MB a step instead of the dense copy's 57.
 #define _GNU_SOURCE  // syscall(), for arch_prctl
 #include <stdint.h>
 #include <stdlib.h>
@@ -115,8 +114,8 @@ static void widen_q8_block(const int8_t* codes, const float* scale, uint16_t* ou
     }
 }
 
-// The cache lines of the block `blocks` blocks after this one (codes) and of its 16 (scale, zero)
-// pairs (`columns` outputs further on), fetched while this block is widened. Why: the dequantization
+// The cache lines of a block of the next panel (its codes, `block_bytes` of them, and the line of its
+// scales where they lie apart), fetched while this panel's block is widened. Why: the dequantization
 // reads each block's codes once, from memory (a step reads every weight once), and waits on each
 // miss: the hardware prefetchers follow a panel's two runs of blocks and its scales' stride poorly.
 // Fetching the next panel's block as this one is widened (SmolLM2's 30 layers' projections, cold, one
