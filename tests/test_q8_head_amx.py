@@ -89,6 +89,11 @@ def test_it_steps_aside_where_it_does_not_apply():
     codes, scale, _ = _head(64, 64, seed=6)
     assert _amx(torch.randn(8, 64), codes, scale) is None  # fp32 inputs
     assert kernel.matmul_int8_amx(torch.randn(8, 64).bfloat16(), kernel.amx_int8_blocks(codes, scale), 48) is None
+    odd_codes, odd_scale, odd_w = _head(336, 64, seed=9)  # a vocabulary not a multiple of the 32-row panel
+    odd = Q8Head(odd_codes, odd_scale, dense=odd_w).with_amx_blocks()
+    assert odd.amx_blocks is None  # kept off the tiles: its steps run the dense weight
+    x = torch.randn((8, 64)).bfloat16()
+    assert torch.equal(odd(x), F.linear(x, odd_w).float())
 
 
 def test_a_head_sends_each_step_size_to_its_kernel():
