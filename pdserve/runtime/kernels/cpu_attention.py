@@ -37,10 +37,8 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # ships with the decode attention that reads what it writes; the 4- and 8-bit weight matmuls
 # (int4_matmul.c for fp32 inputs quantized to int8, int4_exact.c for them as they are, bf16_matmul.c
 # for an 8-bit head's bf16 inputs, int4_amx.c for 4-bit weights and an 8-bit head on AMX tiles with
-# bf16 inputs: all
-# through cpu_int4_matmul), the layer's row operations
-# (layer_ops.c, cpu_layer_ops) and the one-call decode step built on all of them (decode_step.c,
-# cpu_decode_step).
+# bf16 inputs: all through cpu_int4_matmul), the layer's row operations (layer_ops.c, cpu_layer_ops)
+# and the one-call decode step built on all of them (decode_step.c, cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
     "paged_attention_f32.c", "kv_write.c", "int4_matmul.c", "int4_exact.c", "bf16_matmul.c", "layer_ops.c",
     "decode_step.c", "int4_amx.c")))

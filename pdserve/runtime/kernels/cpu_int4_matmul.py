@@ -201,7 +201,8 @@ def amx_int8_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     lanes = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
     scales = scale.float().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()  # [N / 16, K / 32, 16]
-    return torch.cat((lanes.view(torch.uint8), scales.view(torch.uint8).view(n // 16, k // 32, 64)), dim=2).contiguous()
+    scale_bytes = scales.view(torch.uint8).view(n // 16, k // 32, 64)
+    return torch.cat((lanes.view(torch.uint8), scale_bytes), dim=2).contiguous()
 
 
 def matmul_int8_amx(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor | None:
