@@ -88,7 +88,7 @@ class Q8Head:
         """This bf16 head with its dense weight in oneDNN's blocked layout instead of plain (itself
         where torch has no oneDNN or it has no plain bf16 weight)."""
         packed = None if self.dense is None else onednn_packed(self.dense)
-        return self if packed is None else Q8Head(self.codes, self.scale, None, packed, amx_blocks=self.amx_blocks)
+        return self if packed is None else replace(self, dense=None, packed=packed)
 
     def with_amx_blocks(self) -> Q8Head:
         """This bf16 head with its codes also laid out for the AMX kernel where it runs (itself

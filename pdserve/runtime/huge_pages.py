@@ -45,6 +45,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.runtime.parallel.stages import stage_costs
+
 HUGE_PAGE = 1 << 21
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25  # Linux 6.1+
@@ -88,10 +90,9 @@ def available() -> bool:
 
 def worth_it(model) -> bool:
     """Whether a model (a ModelConfig) is large enough for `collapse_loaded` to pay (MIN_PARAMETERS): its
-    embeddings and its layers' projections, roughly."""
-    kv_width = model.num_kv_heads * model.head_dim
-    per_layer = model.hidden_size * (2 * model.hidden_size + 2 * kv_width + 3 * model.intermediate_size)
-    return model.vocab_size * model.hidden_size + model.num_layers * per_layer >= MIN_PARAMETERS
+    layers' projections and its head, the weights a step reads (a multiply-add each: stage_costs)."""
+    layer, head = stage_costs(model)
+    return model.num_layers * layer + head >= MIN_PARAMETERS
 
 
 def collapse_loaded(exclude: Iterable[tuple[int, int]] = ()) -> Collapsed:

@@ -43,7 +43,7 @@ SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
     "paged_attention_f32.c", "kv_write.c", "int4_matmul.c", "int4_exact.c", "bf16_matmul.c", "layer_ops.c",
     "decode_step.c", "int4_amx.c")))
 # included: part of the cache key
-HEADERS = tuple(SOURCE.with_name(name) for name in ("bf16.h", "threads.h", "int4_common.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("bf16.h", "threads.h", "int4_common.h", "q8_widen.h"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 # -fopenmp: its entry points split their work on the calling thread's OpenMP team, torch's own
 # (kernels/cpu/threads.h says why).

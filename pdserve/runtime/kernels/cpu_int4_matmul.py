@@ -161,9 +161,15 @@ def amx_codes(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K] in 0..15 -> [N / 16, K / 32, 16, 16] uint8, the AMX kernel's layout: per block of
     16 outputs and 32 inputs, line r's byte i holds lane i's code (low nibble) and lane 16 + i's,
     lane 2c + j of line r being output c's input 2r + j (the tiles' pairs)."""
-    n, k = codes.shape
-    lanes = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+    lanes = _tile_pairs(codes)
     return (lanes[..., :16] | (lanes[..., 16:] << 4)).to(torch.uint8).contiguous()
+
+
+def _tile_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 16, K / 32, 16, 32]: per block of 16 outputs and 32 inputs, line r's lane 2c + j is
+    output c's input 2r + j, the AMX tiles' pair order (both kernels' layouts start from it)."""
+    n, k = codes.shape
+    return codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
 
 
 def matmul_amx(x: torch.Tensor, codes: torch.Tensor, scales_and_zeros: torch.Tensor, n: int,
@@ -199,7 +205,7 @@ def amx_int8_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     layout: per block of 16 outputs and 32 inputs, 16 lines of 32 codes (line r's byte 2c + j is output
     c's input 2r + j: the tiles' pairs), then the 16 outputs' fp32 scales of the block's group."""
     n, k = codes.shape
-    lanes = codes.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 512)
+    lanes = _tile_pairs(codes).reshape(n // 16, k // 32, 512)
     scales = scale.float().view(n // 16, 16, k // 32).permute(0, 2, 1).contiguous()  # [N / 16, K / 32, 16]
     scale_bytes = scales.view(torch.uint8).view(n // 16, k // 32, 64)
     return torch.cat((lanes.view(torch.uint8), scale_bytes), dim=2).contiguous()

@@ -21,6 +21,7 @@
 // A 4-bit variant for the projections (a 32-entry bf16 table a pair of groups, looked up by vpermw)
 // lost to torch's int4 kernel at every row count on that CPU (0.21 against 0.17 ms at one row for
 // 6144 x 576: the table's construction is ALU-bound) and was dropped.
+#include "q8_widen.h"
 #include "threads.h"
 #include <stdint.h>
 
@@ -47,9 +48,7 @@ int bf16_dot_available(void) {
 // One group's 32 codes -> its bf16 weights, in input order.
 static inline __attribute__((always_inline)) __m512i group_weights(const int8_t* codes, float scale) {
     const __m512 s = _mm512_set1_ps(scale);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)codes))), s);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16)))), s);
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0-15 from lo, 16-31 from hi
+    return q8_widen32(codes, s, s);
 }
 
 // y for output rows [n, n + nr) and input rows [r, r + mt): nr x mt accumulators over all of K, each

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "q8_widen.h"
 #include "threads.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -72,6 +73,13 @@ static void configure(int rows0, int rows1) {
     _tile_loadconfig(&cfg);
 }
 
+// A tile line's lanes 2c and 2c + 1 hold output c's pair of inputs: v's 16 per-output values spread to
+// those pairs, outputs 0-7 (half 0: lanes 0-15) or 8-15 (half 1: lanes 16-31 of the line).
+static inline __m512 pairs_of(__m512 v, int half) {
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8 * half)), v);
+}
+
 // One block's 16 x 32 bf16 weights, in the tiles' pair layout, from its 256 bytes of codes and its
 // 16 (scale, zero) pairs. Line r's byte i holds lane i's code (low nibble) and lane 16 + i's (high) of
 // the tile's row r, lane 2c + j being output c's input 2r + j: each half of a line is then 16 lanes
@@ -82,10 +90,8 @@ static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, u
     const __m512i pairs = _mm512_loadu_si512(scale_zero);  // bf16 bits: scale low, zero high
     const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
     const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
-    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
-    const __m512 scale_lo = _mm512_permutexvar_ps(pairs_lo, scale), scale_hi = _mm512_permutexvar_ps(pairs_hi, scale);
-    const __m512 zero_lo = _mm512_permutexvar_ps(pairs_lo, zero), zero_hi = _mm512_permutexvar_ps(pairs_hi, zero);
+    const __m512 scale_lo = pairs_of(scale, 0), scale_hi = pairs_of(scale, 1);
+    const __m512 zero_lo = pairs_of(zero, 0), zero_hi = pairs_of(zero, 1);
     const __m512 centred = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);  // q - 8
     for (int r = 0; r < 16; r++) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16 * r)));
@@ -101,17 +107,8 @@ static void dequantize_block(const uint8_t* codes, const uint16_t* scale_zero, u
 // line's two halves are 16 lanes of 8 outputs (their scales spread to pairs once a block), widened
 // exactly, scaled by one multiply (exact: above) and rounded to bf16 by one convert.
 static void widen_q8_block(const int8_t* codes, const float* scale, uint16_t* out) {
-    const __m512 scales = _mm512_loadu_ps(scale);
-    const __m512i pairs_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512 scale_lo = _mm512_permutexvar_ps(pairs_lo, scales);
-    const __m512 scale_hi = _mm512_permutexvar_ps(_mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8)), scales);
-    for (int r = 0; r < 16; r++) {
-        const __m128i* line = (const __m128i*)(codes + 32 * r);
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(line + 1)));
-        _mm512_storeu_si512(out + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale_hi),
-                                                                        _mm512_mul_ps(lo, scale_lo)));
-    }
+    const __m512 scales = _mm512_loadu_ps(scale), scale_lo = pairs_of(scales, 0), scale_hi = pairs_of(scales, 1);
+    for (int r = 0; r < 16; r++) _mm512_storeu_si512(out + 32 * r, q8_widen32(codes + 32 * r, scale_lo, scale_hi));
 }
 
 // The cache lines of a block of the next panel (its codes, `block_bytes` of them, and the line of its
