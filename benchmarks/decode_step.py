@@ -33,21 +33,37 @@ from pdserve.runtime.sampling_params import SamplingParams  # noqa: E402
 PROMPT = 32
 
 
+def prefill_steps(batch: int, prompt_len: int, scheduler: SchedulerConfig) -> int:
+    """At most this many steps prefill `batch` prompts of `prompt_len` tokens (a chunk a step, each
+    prompt's last chunk perhaps a step of its own)."""
+    return -(-batch * prompt_len // scheduler.max_num_batched_tokens) + batch
+
+
 def step_ms(engine: Engine, batch: int, steps: int, prompt_len: int = PROMPT) -> float:
-    """Mean wall time of a decode step with `batch` running sequences of `prompt_len`-token prompts."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
+    """Mean wall time of a decode step with `batch` running sequences of `prompt_len`-token prompts.
+
+    The prompts are prefilled in chunks, so the first sequences decode while the last are still
+    prefilled: each may generate up to one token a prefill step before the timed steps. max_tokens
+    leaves room for those too (with `steps + 8`, as before stop 51, sequences of 200-token prompts at
+    32 finished inside the timed steps, which then ran on a shrinking batch: 58 ms "at 32" where 32
+    sequences take 72). The sequences are aborted once timed."""
+    params = SamplingParams(max_tokens=prefill_steps(batch, prompt_len, engine.config.scheduler) + steps + 8,
+                            temperature=0, ignore_eos=True)
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        engine.add_request(request_id, [1 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
     while any(not s.output_ids for s in engine.seqs.values()):  # the prefill (chunked where long)
         engine.step()
     for _ in range(3):  # warm-up decodes
         engine.step()
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        decoded = sum(len(out.new_token_ids) > 0 for out in engine.step())
+        if decoded != batch:
+            raise RuntimeError(f"a timed step decoded {decoded} sequences, not {batch}")
     took = (time.perf_counter() - start) / steps
-    while engine.has_unfinished():
-        engine.step()
+    for request_id in ids:
+        engine.abort(request_id)
     return took * 1e3
 
 
@@ -68,7 +84,8 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, dict[int, float]] = {}
     for fmt in args.formats.split(","):
-        blocks_per_seq = -(-(args.prompt_len + args.steps + 8) // 16) + 1
+        longest = args.prompt_len + prefill_steps(max(batches), args.prompt_len, SchedulerConfig()) + args.steps + 8
+        blocks_per_seq = -(-longest // 16) + 1
         config = EngineConfig(cache=CacheConfig(num_blocks=blocks_per_seq * max(batches) + 64, dtype=args.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
                               weight_format=fmt.removesuffix("-eager"), huge_pages=args.huge_pages == "on")
