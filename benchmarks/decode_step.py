@@ -1,6 +1,6 @@
 """One engine decode step by batch size, for each weight format, in one run (ratios, not absolutes).
 
-Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--formats int4,dense]
+Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--kv-dtype int8] [--formats int4,dense]
            [--batches 1,8,32] [--steps 20] [--threads 2] [--prompt-len 32] [--huge-pages on|off]
 
 A format with the suffix `-eager` (e.g. `int4-eager`) runs that format's decode steps layer by layer
@@ -76,6 +76,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=PROMPT)
+    p.add_argument("--kv-dtype", default=None, help="KV cache format (default: --dtype; int8 / fp8_e4m3: scaled)")
     p.add_argument("--huge-pages", choices=["on", "off"], default="on",
                    help="the loaded weights on 2 MB pages, as a worker's default (runtime.huge_pages)")
     args = p.parse_args()
@@ -86,14 +87,16 @@ def main() -> int:
     for fmt in args.formats.split(","):
         longest = args.prompt_len + prefill_steps(max(batches), args.prompt_len, SchedulerConfig()) + args.steps + 8
         blocks_per_seq = -(-longest // 16) + 1
-        config = EngineConfig(cache=CacheConfig(num_blocks=blocks_per_seq * max(batches) + 64, dtype=args.dtype),
+        config = EngineConfig(cache=CacheConfig(num_blocks=blocks_per_seq * max(batches) + 64,
+                                                dtype=args.kv_dtype or args.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
                               weight_format=fmt.removesuffix("-eager"), huge_pages=args.huge_pages == "on")
         engine = Engine.from_checkpoint(checkpoint, config)
         if fmt.endswith("-eager"):
             engine.runner.model.run_decode_steps_eagerly()
         results[fmt] = {b: step_ms(engine, b, args.steps, args.prompt_len) for b in batches}
-    print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype, "threads": args.threads,
+    print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype,
+                      "kv_dtype": args.kv_dtype or args.dtype, "threads": args.threads,
                       "prompt_len": args.prompt_len, "huge_pages": args.huge_pages,
                       "step_ms": results}))
     base = list(results)[-1]

@@ -97,11 +97,12 @@ def test_a_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, capl
         cpu_attention.library.cache_clear()  # the next call, outside this test's environment, loads the real build
 
 
-def _int8_cache(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int, seed: int = 3):
+def _int8_cache(dtype: torch.dtype, batch: int, heads: int, kv_heads: int, dim: int, seed: int = 3,
+                block_size: int = 16):
     """An INT8 cache written by kv_quant.write_kv (codes plus a scale row per block) from a float one."""
     from pdserve.runtime.kernels import kv_quant
 
-    q, cache, tables, lens = _case(dtype, batch, heads, kv_heads, dim, seed=seed)
+    q, cache, tables, lens = _case(dtype, batch, heads, kv_heads, dim, block_size=block_size, seed=seed)
     nb, layers, _, bs, _, _ = cache.shape
     codes = torch.zeros(nb, layers, 2, bs + 1, kv_heads, dim, dtype=torch.int8)
     slots = torch.cat([tables[b, t // bs] * bs + t % bs for b in range(batch) for t in torch.arange(int(lens[b]))[None]])
@@ -120,6 +121,28 @@ def test_int8_codes_equal_the_torch_path_over_the_same_codes(dtype, heads, kv_he
     want = paged_decode_attention_torch(q.float(), codes, 2, tables, lens, dim ** -0.5)  # dequantized, fp32
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_codes_under_bf16_queries_at_any_block_size_and_batch(block_size, threads):
+    """bf16 queries over INT8 codes (paged_attention_i8.c's AVX512-BF16 passes where the CPU has them:
+    runs of up to 16 keys of a block, the scale after each sum): close to the dequantized cache's fp32
+    attention, and a sequence's bits the same alone as in the batch, on one thread or split over two."""
+    q, codes, tables, lens = _int8_cache(torch.bfloat16, 7, 9, 3, 64, seed=5, block_size=block_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = cpu_attention.paged_decode_attention(q, codes, 1, tables, lens, 0.125)
+        want = paged_decode_attention_torch(q.float(), codes, 1, tables, lens, 0.125)
+        torch.testing.assert_close(batched.float(), want, rtol=2 ** -7, atol=2 ** -7)
+        for b in range(len(lens)):
+            used = 1 + int(lens[b] - 1) // block_size
+            alone = cpu_attention.paged_decode_attention(q[b:b + 1], codes, 1, tables[b:b + 1, :used], lens[b:b + 1],
+                                                         0.125)
+            assert torch.equal(alone, batched[b:b + 1]), b
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_portable_build_serves_where_no_compiler_is(tmp_path, monkeypatch):

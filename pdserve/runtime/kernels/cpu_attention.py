@@ -33,17 +33,19 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # One library from all sources (one build, one cache entry, one portable file): the decode attention's
-# fp32 AVX2 passes (paged_attention_f32.c); the INT8 KV write (kv_write.c, loaded by cpu_kv_write)
-# ships with the decode attention that reads what it writes; the 4- and 8-bit weight matmuls
-# (int4_matmul.c for fp32 inputs quantized to int8, int4_exact.c for them as they are, bf16_matmul.c
-# for an 8-bit head's bf16 inputs, int4_amx.c for 4-bit weights and an 8-bit head on AMX tiles with
-# bf16 inputs: all through cpu_int4_matmul), the layer's row operations (layer_ops.c, cpu_layer_ops)
-# and the one-call decode step built on all of them (decode_step.c, cpu_decode_step).
+# fp32 AVX2 passes (paged_attention_f32.c) and bf16-over-INT8 AVX512-BF16 ones (paged_attention_i8.c);
+# the INT8 KV write (kv_write.c, loaded by cpu_kv_write) ships with the decode attention that reads
+# what it writes; the 4- and 8-bit weight matmuls (int4_matmul.c for fp32 inputs quantized to int8,
+# int4_exact.c for them as they are, bf16_matmul.c for an 8-bit head's bf16 inputs, int4_amx.c for
+# 4-bit weights and an 8-bit head on AMX tiles with bf16 inputs: all through cpu_int4_matmul), the
+# layer's row operations (layer_ops.c, cpu_layer_ops) and the one-call decode step built on all of
+# them (decode_step.c, cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
-    "paged_attention_f32.c", "kv_write.c", "int4_matmul.c", "int4_exact.c", "bf16_matmul.c", "layer_ops.c",
-    "decode_step.c", "int4_amx.c")))
+    "paged_attention_f32.c", "paged_attention_i8.c", "kv_write.c", "int4_matmul.c", "int4_exact.c",
+    "bf16_matmul.c", "layer_ops.c", "decode_step.c", "int4_amx.c")))
 # included: part of the cache key
-HEADERS = tuple(SOURCE.with_name(name) for name in ("bf16.h", "threads.h", "int4_common.h", "q8_widen.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in (
+    "bf16.h", "threads.h", "int4_common.h", "q8_widen.h", "sums16.h"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 # -fopenmp: its entry points split their work on the calling thread's OpenMP team, torch's own
 # (kernels/cpu/threads.h says why).

@@ -161,26 +161,10 @@ DEFINE_WEIGHTED_VALUES(paged_values_f32_i8, float, STORE_F32, int8_t, load_row_i
 #include <immintrin.h>
 #define BF16_DOT_ATTENTION 1
 #define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 accumulators held in registers by the values pass
+#include "sums16.h"
 
 static int bf16_dot_applies(int64_t heads, int64_t kv_heads, int64_t dim) {
     return dim % 32 == 0 && dim <= MAX_HEAD_DIM && heads <= MAX_HEADS && (heads / kv_heads) * dim / 16 <= MAX_ACC_VECTORS;
-}
-
-// 16 vectors' horizontal sums as one vector: lane i is the sum of v[i]'s lanes. A transposing
-// reduction (pairs of vectors, then 64-bit pairs, then 128-bit lanes twice): 15 shuffle-and-add
-// steps for 16 sums, where 16 separate reductions take 4 dependent steps each.
-static inline __m512 sums16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)  // lanes 4j, 4j + 2: v[2i]'s partials; 4j + 1, 4j + 3: v[2i + 1]'s
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  // 128-bit lane j: the j-th partials of v[4i .. 4i + 3]
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)  // 128-bit lanes: v[8i .. 8i + 3] and v[8i + 4 .. 8i + 7], two partials each
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
 // Scores 16 tokens at a time (a run of consecutive rows in one block): each query head's products
@@ -371,7 +355,24 @@ static int values_f32_any(const float* probs, float* out, KERNEL_ARGS(float)) {
                                 block_size, block_stride, offset, t_pad, row);
 }
 DEFINE_ATTENTION(paged_attention_f32_f32, float, float, scores_f32_any, values_f32_any)
-DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, paged_scores_bf16_i8, paged_values_bf16_i8)
+// bf16 over INT8 codes: the AVX512-BF16 passes (paged_attention_i8.c) where they apply, else the portable ones.
+int paged_scores_bf16_i8_avx512(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(int8_t));
+int paged_values_bf16_i8_avx512(const float* probs, uint16_t* out, KERNEL_ARGS(int8_t));
+
+static int scores_bf16_i8_any(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(int8_t)) {
+    return paged_scores_bf16_i8_avx512(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                       kv_heads, dim, block_size, block_stride, offset, t_pad, row) &&
+           paged_scores_bf16_i8(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                kv_heads, dim, block_size, block_stride, offset, t_pad, row);
+}
+
+static int values_bf16_i8_any(const float* probs, uint16_t* out, KERNEL_ARGS(int8_t)) {
+    return paged_values_bf16_i8_avx512(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads,
+                                       kv_heads, dim, block_size, block_stride, offset, t_pad, row) &&
+           paged_values_bf16_i8(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,
+                                dim, block_size, block_stride, offset, t_pad, row);
+}
+DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, scores_bf16_i8_any, values_bf16_i8_any)
 DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)
 
 // The entry points Python calls (cpu_attention): the (sequence, kv head) units in `threads` contiguous
