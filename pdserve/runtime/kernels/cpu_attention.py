@@ -45,7 +45,7 @@ SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
     "bf16_matmul.c", "layer_ops.c", "decode_step.c", "int4_amx.c")))
 # included: part of the cache key
 HEADERS = tuple(SOURCE.with_name(name) for name in (
-    "bf16.h", "threads.h", "int4_common.h", "q8_widen.h", "sums16.h"))
+    "bf16.h", "threads.h", "int4_common.h", "q8_widen.h", "attention_avx512.h"))
 # -march=native: the library is built where it runs (the file name carries the CPU's identity).
 # -fopenmp: its entry points split their work on the calling thread's OpenMP team, torch's own
 # (kernels/cpu/threads.h says why).

@@ -161,7 +161,7 @@ DEFINE_WEIGHTED_VALUES(paged_values_f32_i8, float, STORE_F32, int8_t, load_row_i
 #include <immintrin.h>
 #define BF16_DOT_ATTENTION 1
 #define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 accumulators held in registers by the values pass
-#include "sums16.h"
+#include "attention_avx512.h"
 
 static int bf16_dot_applies(int64_t heads, int64_t kv_heads, int64_t dim) {
     return dim % 32 == 0 && dim <= MAX_HEAD_DIM && heads <= MAX_HEADS && (heads / kv_heads) * dim / 16 <= MAX_ACC_VECTORS;
@@ -179,8 +179,7 @@ static void scores_bf16_dot(const uint16_t* q, float* scores, float scale, KERNE
         float* out = scores + b * heads * t_pad;
         for (int64_t t0 = 0; t0 < len;) {
             const int64_t slot = t0 % block_size;
-            int64_t n = block_size - slot < 16 ? block_size - slot : 16;
-            n = len - t0 < n ? len - t0 : n;
+            const int64_t n = run_tokens(t0, len, block_size);
             const uint16_t* chunk = cache + table[t0 / block_size] * block_stride + offset;
             // The next block's rows, fetched while this run computes, a share before each head: a
             // burst of them all at once waits on the core's few outstanding misses.
@@ -217,9 +216,9 @@ static inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exact
 // One kv head g of one sequence: out rows of its `group` query heads. Inlined with constant group and
 // per_head (the dispatch below), so that the accumulators stay in registers.
 static inline __attribute__((always_inline)) void values_one_kv_head(
-        const float* p, uint16_t* out, const uint16_t* cache, const int64_t* table, int64_t len, int64_t g,
-        int64_t group, int64_t per_head, int64_t row, int64_t dim, int64_t block_size, int64_t block_stride,
-        int64_t offset, int64_t t_pad) {
+        int64_t group, int64_t per_head, const float* p, uint16_t* out, const uint16_t* cache, const int64_t* table,
+        int64_t len, int64_t g, int64_t row, int64_t dim, int64_t block_size, int64_t block_stride, int64_t offset,
+        int64_t t_pad) {
     __m512 acc[MAX_ACC_VECTORS];  // [group][per_head]
     for (int64_t i = 0; i < group * per_head; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
@@ -236,35 +235,11 @@ static inline __attribute__((always_inline)) void values_one_kv_head(
                     _mm512_fmadd_ps(_mm512_set1_ps(p[(g * group + j) * t_pad + t]), vc, acc[j * per_head + c]);
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float sums[MAX_HEAD_DIM];
-        for (int64_t c = 0; c < per_head; c++) _mm512_storeu_ps(sums + c * 16, acc[j * per_head + c]);
-        uint16_t* o = out + (g * group + j) * dim;
-        for (int64_t d = 0; d < dim; d++) o[d] = f32_to_bf16(sums[d]);
-    }
+    store_group_rows_bf16(acc, group, per_head, g, dim, out);
 }
 
 static void values_bf16_dot(const float* probs, uint16_t* out, KERNEL_ARGS(uint16_t)) {
-    const int64_t group = heads / kv_heads, per_head = dim / 16;
-    for (int64_t b = 0; b < batch; b++) {
-        SEQUENCE_PROLOGUE
-        const float* p = probs + b * heads * t_pad;
-        uint16_t* o = out + b * heads * dim;
-        for (int64_t g = 0; g < kv_heads; g++) {
-#define VALUES_CASE(G, PH)                                                                                   \
-    case G * 100 + PH:                                                                                        \
-        values_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad); \
-        break;
-            switch (group * 100 + per_head) {  // head dims 64 and 128, GQA groups 1-6 and 1-3
-                VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4)
-                VALUES_CASE(6, 4) VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
-                default:
-                    values_one_kv_head(p, o, cache, table, len, g, group, per_head, row, dim, block_size,
-                                       block_stride, offset, t_pad);
-            }
-#undef VALUES_CASE
-        }
-    }
+    VALUES_PASS(values_one_kv_head)
 }
 #endif
 
@@ -337,41 +312,30 @@ DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, scores_bf16_any,
 #else
 DEFINE_ATTENTION(paged_attention_bf16_bf16, uint16_t, uint16_t, paged_scores_bf16_bf16, paged_values_bf16_bf16)
 #endif
+// A pass that tries a vectorized version first (it returns 1 where it does not apply), then the portable one.
+#define KERNEL_CALL_ARGS                                                                                   \
+    cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim, block_size, block_stride, offset, \
+        t_pad, row
+#define SCORES_EITHER(NAME, TQ, TC, FAST, PORTABLE)                                                         \
+    static int NAME(const TQ* q, float* scores, float scale, KERNEL_ARGS(TC)) {                            \
+        return FAST(q, scores, scale, KERNEL_CALL_ARGS) && PORTABLE(q, scores, scale, KERNEL_CALL_ARGS);   \
+    }
+#define VALUES_EITHER(NAME, TQ, TC, FAST, PORTABLE)                                                         \
+    static int NAME(const float* probs, TQ* out, KERNEL_ARGS(TC)) {                                        \
+        return FAST(probs, out, KERNEL_CALL_ARGS) && PORTABLE(probs, out, KERNEL_CALL_ARGS);               \
+    }
+
 // fp32 over fp32: the AVX2 passes (paged_attention_f32.c) where they apply, else the portable ones.
 int paged_scores_f32_avx2(const float* q, float* scores, float scale, KERNEL_ARGS(float));
 int paged_values_f32_avx2(const float* probs, float* out, KERNEL_ARGS(float));
-
-static int scores_f32_any(const float* q, float* scores, float scale, KERNEL_ARGS(float)) {
-    return paged_scores_f32_avx2(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                 kv_heads, dim, block_size, block_stride, offset, t_pad, row) &&
-           paged_scores_f32_f32(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                kv_heads, dim, block_size, block_stride, offset, t_pad, row);
-}
-
-static int values_f32_any(const float* probs, float* out, KERNEL_ARGS(float)) {
-    return paged_values_f32_avx2(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,
-                                 dim, block_size, block_stride, offset, t_pad, row) &&
-           paged_values_f32_f32(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads, dim,
-                                block_size, block_stride, offset, t_pad, row);
-}
+SCORES_EITHER(scores_f32_any, float, float, paged_scores_f32_avx2, paged_scores_f32_f32)
+VALUES_EITHER(values_f32_any, float, float, paged_values_f32_avx2, paged_values_f32_f32)
 DEFINE_ATTENTION(paged_attention_f32_f32, float, float, scores_f32_any, values_f32_any)
 // bf16 over INT8 codes: the AVX512-BF16 passes (paged_attention_i8.c) where they apply, else the portable ones.
 int paged_scores_bf16_i8_avx512(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(int8_t));
 int paged_values_bf16_i8_avx512(const float* probs, uint16_t* out, KERNEL_ARGS(int8_t));
-
-static int scores_bf16_i8_any(const uint16_t* q, float* scores, float scale, KERNEL_ARGS(int8_t)) {
-    return paged_scores_bf16_i8_avx512(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                       kv_heads, dim, block_size, block_stride, offset, t_pad, row) &&
-           paged_scores_bf16_i8(q, scores, scale, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                kv_heads, dim, block_size, block_stride, offset, t_pad, row);
-}
-
-static int values_bf16_i8_any(const float* probs, uint16_t* out, KERNEL_ARGS(int8_t)) {
-    return paged_values_bf16_i8_avx512(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads,
-                                       kv_heads, dim, block_size, block_stride, offset, t_pad, row) &&
-           paged_values_bf16_i8(probs, out, cache, block_tables, context_lens, batch, max_blocks, heads, kv_heads,
-                                dim, block_size, block_stride, offset, t_pad, row);
-}
+SCORES_EITHER(scores_bf16_i8_any, uint16_t, int8_t, paged_scores_bf16_i8_avx512, paged_scores_bf16_i8)
+VALUES_EITHER(values_bf16_i8_any, uint16_t, int8_t, paged_values_bf16_i8_avx512, paged_values_bf16_i8)
 DEFINE_ATTENTION(paged_attention_bf16_i8, uint16_t, int8_t, scores_bf16_i8_any, values_bf16_i8_any)
 DEFINE_ATTENTION(paged_attention_f32_i8, float, int8_t, paged_scores_f32_i8, paged_values_f32_i8)
 

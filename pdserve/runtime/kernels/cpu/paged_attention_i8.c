@@ -26,7 +26,7 @@
 #define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 sums the values pass keeps in registers
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include "sums16.h"
+#include "attention_avx512.h"
 
 static int i8_dot_applies(int64_t heads, int64_t kv_heads, int64_t dim) {
     return dim % 32 == 0 && dim <= MAX_HEAD_DIM && heads <= MAX_HEADS && heads % kv_heads == 0 &&
@@ -71,8 +71,7 @@ int paged_scores_bf16_i8_avx512(const uint16_t* q, float* scores, float scale, c
         float* out = scores + b * heads * t_pad;
         for (int64_t t0 = 0; t0 < len;) {
             const int64_t slot = t0 % block_size;
-            int64_t n = block_size - slot < 16 ? block_size - slot : 16;
-            n = len - t0 < n ? len - t0 : n;
+            const int64_t n = run_tokens(t0, len, block_size);
             const int8_t* run = cache + table[t0 / block_size] * block_stride + offset;
             if (t0 + n < len && (t0 + n) % block_size == 0)
                 prefetch_run(cache + table[(t0 + n) / block_size] * block_stride + offset, run_bytes);
@@ -84,8 +83,10 @@ int paged_scores_bf16_i8_avx512(const uint16_t* q, float* scores, float scale, c
                 for (int64_t d = 0; d < dim; d += 32) {
                     const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + hq * dim + d);
                     const uint16_t* kd = keys + g * dim + d;
-                    for (int i = 0; i < 16; i++)  // rows past the run read row 0 again: lanes discarded
-                        acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(kd + (i < n ? i : 0) * width));
+                    for (int i = 0; i < 16; i++) {  // rows past the run read row 0 again: lanes discarded
+                        const __m512bh k = (__m512bh)_mm512_loadu_si512(kd + (i < n ? i : 0) * width);
+                        acc[i] = _mm512_dpbf16_ps(acc[i], qv, k);
+                    }
                 }
                 const __m512 s = _mm512_set1_ps(scale * head_scale(run, block_size, row, dim, g));
                 _mm512_mask_storeu_ps(out + hq * t_pad + t0, (__mmask16)((1u << n) - 1), _mm512_mul_ps(s, sums16(acc)));
@@ -100,20 +101,12 @@ static inline __m512 widen16_i8(const int8_t* p) {  // 16 codes -> 16 fp32, exac
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
 
-static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 // One kv head g of one sequence: its `group` query heads' rows of out, sums in registers. Inlined
 // with constant group and per_head (the dispatch below).
 static inline __attribute__((always_inline)) void values_i8_one_kv_head(
-        const float* p, uint16_t* out, const int8_t* cache, const int64_t* table, int64_t len, int64_t g,
-        int64_t group, int64_t per_head, int64_t row, int64_t dim, int64_t block_size, int64_t block_stride,
-        int64_t offset, int64_t t_pad) {
+        int64_t group, int64_t per_head, const float* p, uint16_t* out, const int8_t* cache, const int64_t* table,
+        int64_t len, int64_t g, int64_t row, int64_t dim, int64_t block_size, int64_t block_stride, int64_t offset,
+        int64_t t_pad) {
     __m512 acc[MAX_ACC_VECTORS];  // [group][per_head]
     for (int64_t i = 0; i < group * per_head; i++) acc[i] = _mm512_setzero_ps();
     const int64_t run_bytes = (block_size + 1) * row;
@@ -133,12 +126,7 @@ static inline __attribute__((always_inline)) void values_i8_one_kv_head(
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float sums[MAX_HEAD_DIM];
-        for (int64_t c = 0; c < per_head; c++) _mm512_storeu_ps(sums + c * 16, acc[j * per_head + c]);
-        uint16_t* o = out + (g * group + j) * dim;
-        for (int64_t d = 0; d < dim; d++) o[d] = f32_to_bf16(sums[d]);
-    }
+    store_group_rows_bf16(acc, group, per_head, g, dim, out);
 }
 
 // out [B, H, D] = probs [B, H, T_pad] @ the values of each sequence's context, one kv head at a time.
@@ -147,27 +135,7 @@ int paged_values_bf16_i8_avx512(const float* probs, uint16_t* out, const int8_t*
                                 int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride,
                                 int64_t offset, int64_t t_pad, int64_t row) {
     if (!i8_dot_applies(heads, kv_heads, dim)) return 1;
-    const int64_t group = heads / kv_heads, per_head = dim / 16;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = context_lens[b];
-        const int64_t* table = block_tables + b * max_blocks;
-        const float* p = probs + b * heads * t_pad;
-        uint16_t* o = out + b * heads * dim;
-        for (int64_t g = 0; g < kv_heads; g++) {
-#define VALUES_CASE(G, PH)                                                                                    \
-    case G * 100 + PH:                                                                                        \
-        values_i8_one_kv_head(p, o, cache, table, len, g, G, PH, row, dim, block_size, block_stride, offset, t_pad); \
-        break;
-            switch (group * 100 + per_head) {  // head dims 64 and 128, GQA groups 1-6 and 1-3
-                VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4) VALUES_CASE(5, 4)
-                VALUES_CASE(6, 4) VALUES_CASE(1, 8) VALUES_CASE(2, 8) VALUES_CASE(3, 8)
-                default:
-                    values_i8_one_kv_head(p, o, cache, table, len, g, group, per_head, row, dim, block_size,
-                                          block_stride, offset, t_pad);
-            }
-#undef VALUES_CASE
-        }
-    }
+    VALUES_PASS(values_i8_one_kv_head)
     return 0;
 }
 #else

@@ -1,0 +1,72 @@
+// The AVX-512 decode attention passes' shared pieces (paged_attention.c over a bf16 cache,
+// paged_attention_i8.c over INT8 codes): the scores' transposing reduction, and the values' dispatch
+// to register-held shapes and their rounded store. Include where AVX-512 is on.
+#ifndef PDSERVE_ATTENTION_AVX512_H
+#define PDSERVE_ATTENTION_AVX512_H
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+// 16 vectors' horizontal sums as one vector: lane i is the sum of v[i]'s lanes. A transposing
+// reduction (pairs of vectors, then 64-bit pairs, then 128-bit lanes twice): 15 shuffle-and-add
+// steps for 16 sums, where 16 separate reductions take 4 dependent steps each.
+static inline __m512 sums16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  // lanes 4j, 4j + 2: v[2i]'s partials; 4j + 1, 4j + 3: v[2i + 1]'s
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  // 128-bit lane j: the j-th partials of v[4i .. 4i + 3]
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)  // 128-bit lanes: v[8i .. 8i + 3] and v[8i + 4 .. 8i + 7], two partials each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// The scores' runs: up to 16 tokens from t0, within t0's block and the context of `len`.
+static inline int64_t run_tokens(int64_t t0, int64_t len, int64_t block_size) {
+    const int64_t in_block = block_size - t0 % block_size, n = in_block < 16 ? in_block : 16;
+    return len - t0 < n ? len - t0 : n;
+}
+
+// A kv head's `group` query heads' value sums, acc [group][per_head] vectors of 16, rounded to bf16
+// into out's rows g * group + j ([H, dim]).
+static inline void store_group_rows_bf16(const __m512* acc, int64_t group, int64_t per_head, int64_t g,
+                                         int64_t dim, uint16_t* out) {
+    for (int64_t j = 0; j < group; j++) {
+        float sums[16 * 16];  // per_head <= 16: head dims up to 256
+        for (int64_t c = 0; c < per_head; c++) _mm512_storeu_ps(sums + c * 16, acc[j * per_head + c]);
+        uint16_t* o = out + (g * group + j) * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = bf16_round(sums[d]);
+    }
+}
+
+// FN(G, PH, ...) with G and PH constants for the shapes whose sums stay in registers once inlined
+// (head dims 64 and 128: PH 4, 8; GQA groups 1-6 and 1-3), else FN(group, per_head, ...).
+#define GQA_VALUES_DISPATCH(group, per_head, FN, ...)                                                      \
+    switch ((group) * 100 + (per_head)) {                                                                  \
+        case 104: FN(1, 4, __VA_ARGS__); break;                                                            \
+        case 204: FN(2, 4, __VA_ARGS__); break;                                                            \
+        case 304: FN(3, 4, __VA_ARGS__); break;                                                            \
+        case 404: FN(4, 4, __VA_ARGS__); break;                                                            \
+        case 504: FN(5, 4, __VA_ARGS__); break;                                                            \
+        case 604: FN(6, 4, __VA_ARGS__); break;                                                            \
+        case 108: FN(1, 8, __VA_ARGS__); break;                                                            \
+        case 208: FN(2, 8, __VA_ARGS__); break;                                                            \
+        case 308: FN(3, 8, __VA_ARGS__); break;                                                            \
+        default: FN(group, per_head, __VA_ARGS__);                                                         \
+    }
+
+// The values pass of B sequences (a function with KERNEL_ARGS, probs and out): FN, a one_kv_head
+// function (group, per_head, p, o, cache, table, len, g, row, dim, block_size, block_stride, offset,
+// t_pad), for every kv head of every sequence.
+#define VALUES_PASS(FN)                                                                                    \
+    for (int64_t b = 0; b < batch; b++)                                                                    \
+        for (int64_t g = 0; g < kv_heads; g++)                                                             \
+            GQA_VALUES_DISPATCH(heads / kv_heads, dim / 16, FN, probs + b * heads * t_pad, out + b * heads * dim, \
+                                cache, block_tables + b * max_blocks, context_lens[b], g, row, dim, block_size, \
+                                block_stride, offset, t_pad)
+
+#endif
