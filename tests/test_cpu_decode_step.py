@@ -32,9 +32,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _int4_engine(checkpoint, dtype: str = "float32", weight_format: str = "int4") -> Engine:
-    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=96, dtype=dtype),
-                                                             dtype=dtype, weight_format=weight_format))
+def _int4_engine(checkpoint, dtype: str = "float32", weight_format: str = "int4", kv_dtype: str = "") -> Engine:
+    cache = CacheConfig(num_blocks=96, dtype=kv_dtype or dtype)
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=cache, dtype=dtype, weight_format=weight_format))
     engine.keep_logits = True
     return engine
 
@@ -173,6 +173,27 @@ def test_the_bf16_one_call_step_equals_the_eager_step_bit_for_bit(smollm2_bf16, 
         eager = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 12, monkeypatch, one_call=False)
     assert one_call["c_steps"] == 11 and eager["c_steps"] == 0
     assert all(a.dtype == torch.bfloat16 for a in one_call["hidden"])
+    _assert_same_bits(one_call, eager)
+
+
+@pytest.mark.parametrize("dtype,batch,threads", [("bfloat16", 3, 1), ("bfloat16", 3, 2), ("float32", 2, 1),
+                                                 ("float32", 9, 2)])
+def test_an_int8_cache_takes_the_one_call_step_with_the_eager_bits(request, dtype, batch, threads, monkeypatch):
+    """An INT8 KV cache (--kv-dtype int8): the C step writes and reads it with the eager step's
+    functions (kv_write.c's scale upkeep and requantize, the bf16 / fp32-over-INT8 attention), so the
+    tokens, every step's hidden states and logits and the cache's codes and scales are the eager
+    ones to the bit. 14 decode steps from prompts of different lengths start and grow blocks; 9
+    sequences on two threads split each phase in chunks."""
+    checkpoint = request.getfixturevalue("smollm2_bf16" if dtype == "bfloat16" else "smollm2")
+    prompts = [checkpoint.tokenizer.encode("Tell me about the sea." + " And the ships." * (2 * i))
+               for i in range(batch)]
+    with torch_threads(threads):
+        one_call = _decode_trace(_int4_engine(checkpoint, dtype, kv_dtype="int8"), prompts, 15, monkeypatch,
+                                 one_call=True)
+        eager = _decode_trace(_int4_engine(checkpoint, dtype, kv_dtype="int8"), prompts, 15, monkeypatch,
+                              one_call=False)
+    assert one_call["kv"].dtype == torch.int8
+    assert one_call["c_steps"] == 14 and eager["c_steps"] == 0
     _assert_same_bits(one_call, eager)
 
 

@@ -9,8 +9,10 @@ bit either. Where another process keeps a core busy the step's threads sleep at 
 of waiting out the scheduler's time slices, and the plan then runs the next LOADED_STEPS steps on
 one thread (`StepThreads`). `DecodeStepPlan.of` returns None for a model it does not
 cover: a projection that is not 4-bit on our kernel (`Int4Linear.q8`), a column permutation,
-tensor parallelism, shapes past the attention's buffers. fp32 models run every decode-only step of
-generated tokens here; bf16 ones (a bf16 cache) those of fewer than BF16_Q8_BELOW_ROWS sequences,
+tensor parallelism, shapes past the attention's buffers. The cache is in the activations' dtype or
+holds INT8 codes (`--kv-dtype int8`: written by kv_write.c and read by paged_attention*.c, the eager
+step's functions for it). fp32 models run every decode-only step of
+generated tokens here; bf16 ones those of fewer than BF16_Q8_BELOW_ROWS sequences,
 whose projections the eager step also runs on our kernel (larger ones take torch's matmuls), and on
 a CPU with AMX-BF16 those of fewer than AMX_BELOW_ROWS, whose projections the eager step runs on the
 AMX kernel (int4_amx.c) and SiLU in C.
@@ -27,6 +29,7 @@ import torch
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.kernels import cpu_attention
 from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS, BF16_Q8_BELOW_ROWS
+from pdserve.runtime.kv_cache import block_size_of
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # After a step whose threads mostly slept at its barriers (another process, such as the prefill
@@ -82,7 +85,7 @@ class _DecodeStep(ctypes.Structure):
                 ("intermediate", _I), ("num_layers", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
                 ("cache_blocks", _I), ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
-                ("context_lens", _P), ("final_norm", _P), ("bf16", _I), ("amx_from_rows", _I)]
+                ("context_lens", _P), ("final_norm", _P), ("bf16", _I), ("amx_from_rows", _I), ("kv_int8", _I)]
 
 
 def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
@@ -146,10 +149,10 @@ class DecodeStepPlan:
         return cls(model, tuple(model.layers), layers, dtype, StepThreads(getattr(model, "step_threads", 0)), amx)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
-        """Whether the step of `meta` runs here: decode tokens only, a cache and activations of the
-        plan's dtype, the layers it planned; in fp32 each token generated (a prompt's last token run as
+        """Whether the step of `meta` runs here: decode tokens only, activations of the plan's dtype and a
+        cache of it or of INT8 codes, the layers it planned; in fp32 each token generated (a prompt's last token run as
         a decode takes the dense matmul: `int4_cpu.token_kinds`), in bf16 fewer than BF16_Q8_BELOW_ROWS."""
-        if (meta.prefills or meta.num_decode_tokens != hidden.shape[0] or kv_cache.dtype != self.dtype
+        if (meta.prefills or meta.num_decode_tokens != hidden.shape[0] or kv_cache.dtype not in (self.dtype, torch.int8)
                 or hidden.dtype != self.dtype or not kv_cache.is_contiguous()
                 or len(self.model.layers) != len(self.planned)
                 or not all(a is b for a, b in zip(self.model.layers, self.planned))):  # none replaced since
@@ -171,9 +174,10 @@ class DecodeStepPlan:
         step = _DecodeStep(hidden.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                            model.layers[0].down.in_features, len(model.layers), c.rms_norm_eps, model.scale,
                            ctx.cos.data_ptr(), ctx.sin.data_ptr(), ctx.cos.shape[0], pos.data_ptr(), slots.data_ptr(),
-                           kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], kv_cache.shape[3], tables.data_ptr(),
-                           tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
-                           int(self.dtype == torch.bfloat16), BF16_Q8_BELOW_ROWS if self.amx else 0)
+                           kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], block_size_of(kv_cache),
+                           tables.data_ptr(), tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
+                           int(self.dtype == torch.bfloat16), BF16_Q8_BELOW_ROWS if self.amx else 0,
+                           int(kv_cache.dtype == torch.int8))
         loaded = ctypes.c_int64(0)
         err = cpu_attention.library().decode_step(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), self.threads.next(), ctypes.byref(loaded))
@@ -183,7 +187,7 @@ class DecodeStepPlan:
         if err == 2:
             raise IndexError(f"a position past the RoPE tables ({ctx.cos.shape[0]} positions)")
         if err == 4:
-            raise IndexError(f"a KV slot past the cache ({kv_cache.shape[0]} blocks of {kv_cache.shape[3]})")
+            raise IndexError(f"a KV slot past the cache ({kv_cache.shape[0]} blocks of {block_size_of(kv_cache)})")
         if err:
             raise RuntimeError(f"the C decode step refused its shapes (error {err})")
         return out

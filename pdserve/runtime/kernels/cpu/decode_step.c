@@ -15,7 +15,8 @@
 //
 // Shapes: B sequences, one token each; D hidden, H query heads, KVH kv heads, hd head dim, I the
 // MLP's width. The cache is [num_blocks, layers, 2, block_size, KVH, hd] in the activations' dtype
-// (fp32, or bf16 where DecodeStep.bf16), contiguous.
+// (fp32, or bf16 where DecodeStep.bf16), or, where DecodeStep.kv_int8, INT8 codes with a scale row a
+// run ([..., block_size + 1, KVH, hd]: kv_write.c writes it, paged_attention*.c read it); contiguous.
 #define _GNU_SOURCE  // syscall (the barrier's futex) and clock_gettime under -std=c11
 #include "threads.h"
 #include <omp.h>
@@ -60,6 +61,22 @@ int paged_attention_bf16_bf16_units(const uint16_t* q, uint16_t* out, float* sco
                                     int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,
                                     int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
                                     int64_t t_pad, int64_t u0, int64_t u1);
+int paged_attention_bf16_i8_units(const uint16_t* q, uint16_t* out, float* scores, float scale,
+                                  const int8_t* cache, const int64_t* block_tables, const int64_t* context_lens,
+                                  int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int64_t block_size, int64_t block_stride, int64_t k_offset, int64_t v_offset,
+                                  int64_t t_pad, int64_t u0, int64_t u1);
+int paged_attention_f32_i8_units(const float* q, float* out, float* scores, float scale, const int8_t* cache,
+                                 const int64_t* block_tables, const int64_t* context_lens, int64_t max_blocks,
+                                 int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride,
+                                 int64_t k_offset, int64_t v_offset, int64_t t_pad, int64_t u0, int64_t u1);
+#define KV_WRITE_INT8_ARGS                                                                                   \
+    int8_t *cache, const void *k, const void *v, int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, \
+        int64_t n, int64_t num_blocks, int64_t kv_heads, int64_t dim, int64_t block_size, int64_t block_stride, \
+        int64_t layer_offset
+int kv_write_int8_f32(KV_WRITE_INT8_ARGS);
+int kv_write_int8_bf16(KV_WRITE_INT8_ARGS);
+#define KV_WRITE_MAX_HEADS 64  // kv_write.c's buffers
 int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride);
@@ -101,7 +118,11 @@ typedef struct {
     const void* final_norm;       // [D]
     int64_t bf16;                 // activations, norms and cache: 1 bf16, 0 fp32
     int64_t amx_from_rows;        // bf16 steps of this many rows or more: projections on AMX (0: never)
+    int64_t kv_int8;              // 1: the cache holds INT8 codes and a scale row a run, 0: the activations' dtype
 } DecodeStep;
+
+// Rows of a (block, layer, k/v) run: the block's tokens, and an INT8 cache's scale row.
+static int64_t run_rows(const DecodeStep* s) { return s->block_size + (s->kv_int8 ? 1 : 0); }
 
 // The phases of a layer, each a chunk counter of the step's (Scratch.next: PHASES a layer, then the
 // final norm's).
@@ -114,6 +135,7 @@ typedef struct {
     float* scores;
     atomic_llong* next;  // [num_layers * PHASES + 1]
     int64_t es;
+    atomic_int write_failed;  // an INT8 KV write found no memory (kv_write.c's 3): the step fails
 } Scratch;
 
 #define AT(buf, i) ((buf) + (i) * b->es)  // element i of an activation buffer of Scratch b
@@ -141,6 +163,7 @@ static char* scratch_alloc(const DecodeStep* s, Scratch* b) {
     b->next = (atomic_llong*)(p + (sizes[10] + 63) / 64 * 64);
     for (int64_t i = 0; i < counters; i++) atomic_init(&b->next[i], 0);
     b->es = es;
+    atomic_init(&b->write_failed, 0);
     return base;
 }
 
@@ -294,17 +317,42 @@ static int take_items(const Member* me, atomic_llong* next, int* taken, int64_t 
 // Layer l's attention for units [u0, u1) of the step's (sequence, kv head) pairs (paged_attention.c's
 // units, as its threaded entry points split them): their K rows, then their V rows a block further.
 static void attention_units(const DecodeStep* s, const Scratch* b, int64_t l, int64_t u0, int64_t u1) {
-    const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd;
-    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row, t_pad = s->max_blocks * s->block_size;
-    const int64_t k_offset = l * 2 * s->block_size * row, v_offset = (l * 2 + 1) * s->block_size * row;
-    if (s->bf16)
+    const int64_t H = s->heads, KVH = s->kv_heads, hd = s->head_dim, row = KVH * hd, rows = run_rows(s);
+    const int64_t block_stride = s->cache_layers * 2 * rows * row, t_pad = s->max_blocks * s->block_size;
+    const int64_t k_offset = l * 2 * rows * row, v_offset = (l * 2 + 1) * rows * row;  // cache elements
+#define ATTENTION_ARGS                                                                                         \
+    s->block_tables, s->context_lens, s->max_blocks, H, KVH, hd, s->block_size, block_stride, k_offset, v_offset, \
+        t_pad, u0, u1
+    if (s->kv_int8 && s->bf16)
+        paged_attention_bf16_i8_units((const uint16_t*)b->q, (uint16_t*)b->attn, b->scores, s->scale, s->cache,
+                                      ATTENTION_ARGS);
+    else if (s->kv_int8)
+        paged_attention_f32_i8_units((const float*)b->q, (float*)b->attn, b->scores, s->scale, s->cache,
+                                     ATTENTION_ARGS);
+    else if (s->bf16)
         paged_attention_bf16_bf16_units((const uint16_t*)b->q, (uint16_t*)b->attn, b->scores, s->scale, s->cache,
-                                        s->block_tables, s->context_lens, s->max_blocks, H, KVH, hd, s->block_size,
-                                        block_stride, k_offset, v_offset, t_pad, u0, u1);
+                                        ATTENTION_ARGS);
     else
         paged_attention_f32_f32_units((const float*)b->q, (float*)b->attn, b->scores, s->scale, s->cache,
-                                      s->block_tables, s->context_lens, s->max_blocks, H, KVH, hd, s->block_size,
-                                      block_stride, k_offset, v_offset, t_pad, u0, u1);
+                                      ATTENTION_ARGS);
+#undef ATTENTION_ARGS
+}
+
+// Rows' new keys (RoPE'd, in b->k) and values (in b->qkv) into layer l's slots: the eager step's
+// writes (kv_write_rows for a cache in the activations' dtype, kv_write_int8_* for INT8 codes).
+static void write_kv_rows(const DecodeStep* s, Scratch* b, int64_t l, int64_t r0, int64_t n) {
+    const int64_t hd = s->head_dim, H = s->heads, KVH = s->kv_heads, row = KVH * hd, es = b->es;
+    const int64_t width = (H + 2 * KVH) * hd, rows = run_rows(s), block_stride = s->cache_layers * 2 * rows * row;
+    const char *k = AT(b->k, r0 * row), *v = AT(b->qkv, r0 * width + (H + KVH) * hd);
+    if (!s->kv_int8) {  // slots checked before the step
+        kv_write_rows((char*)s->cache, k, row * es, v, width * es, s->slots + r0, n, row * es, s->block_size,
+                      block_stride * es, l * 2 * rows * row * es, s->cache_blocks * s->block_size);
+        return;
+    }
+    int (*write)(KV_WRITE_INT8_ARGS) = s->bf16 ? kv_write_int8_bf16 : kv_write_int8_f32;
+    if (write((int8_t*)s->cache, k, v, row, width, s->slots + r0, n, s->cache_blocks, KVH, hd, s->block_size,
+              block_stride, l * 2 * rows * row))  // shapes and slots checked before: only no memory is left
+        atomic_store(&b->write_failed, 1);
 }
 
 // Whether a projection of m rows runs on the AMX kernel (the eager step's kernel for the same row
@@ -345,8 +393,7 @@ static void linear_items(const DecodeStep* s, const Int4Weights* w, const char* 
 static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Scratch* b, const Member* me,
                        atomic_llong* next, SpinBarrier* bar) {
     const int64_t B = s->batch, D = s->hidden, hd = s->head_dim, H = s->heads, KVH = s->kv_heads;
-    const int64_t I = s->intermediate, width = (H + 2 * KVH) * hd, row = KVH * hd, es = b->es;
-    const int64_t block_stride = s->cache_layers * 2 * s->block_size * row;  // cache elements
+    const int64_t I = s->intermediate, width = (H + 2 * KVH) * hd, row = KVH * hd;
     int64_t r0, r1;
     FOR_ITEMS(me, next + INPUT_NORM, 2, B, 1, r0, r1) {
         if (l == 0)
@@ -362,9 +409,7 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
         const int64_t n = r1 - r0;
         rope_rows(s, AT(b->qkv, r0 * width), width, n, H, s->positions + r0, AT(b->q, r0 * H * hd));
         rope_rows(s, AT(b->qkv, r0 * width + H * hd), width, n, KVH, s->positions + r0, AT(b->k, r0 * row));
-        kv_write_rows((char*)s->cache, AT(b->k, r0 * row), row * es, AT(b->qkv, r0 * width + (H + KVH) * hd),
-                      width * es, s->slots + r0, n, row * es, s->block_size, block_stride * es,
-                      l * 2 * s->block_size * row * es, s->cache_blocks * s->block_size);  // slots checked before
+        write_kv_rows(s, b, l, r0, n);
     }
     barrier_wait(bar);
     FOR_ITEMS(me, next + ATTENTION, CHUNKS_PER_MEMBER, B * KVH, 1, r0, r1)  // shapes checked before the step
@@ -403,8 +448,10 @@ static void run_member(Team* t, int id) {
 // embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
 // of the calling thread's OpenMP team (fewer where OpenMP gives fewer). Returns 0; 1 where the
 // scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the attention does not
-// take, 4 for a KV slot past the cache (nothing written then). `loaded`: 1 when its members slept
-// at the barriers through more than 1 / LOADED_SLEEP_SHARE of it (another process had the cores), else 0.
+// take, 4 for a KV slot past the cache (nothing written then); 1 too where an INT8 KV write found no
+// memory (that layer's rows unwritten: the step's output is not to be used). `loaded`: 1 when its
+// members slept at the barriers through more than 1 / LOADED_SLEEP_SHARE of it (another process had
+// the cores), else 0.
 int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* embeddings, void* out, int64_t threads,
                 int64_t* loaded) {
     for (int64_t r = 0; r < s->batch; r++)
@@ -412,6 +459,7 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     for (int64_t r = 0; r < s->batch; r++)
         if (s->slots[r] >= s->cache_blocks * s->block_size) return 4;
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
+    if (s->kv_int8 && (s->kv_heads > KV_WRITE_MAX_HEADS || s->head_dim % 4)) return 3;  // kv_write.c's 2
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
     char* base = scratch_alloc(s, &t.b);
     if (base == NULL) return 1;
@@ -432,6 +480,7 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     }
     const int64_t others_ns = (now_ns() - start) * (t.barrier.size - 1);  // the time of all but one member
     *loaded = LOADED_SLEEP_SHARE * (int64_t)atomic_load(&t.barrier.slept_ns) > others_ns && others_ns > 0;
+    const int write_failed = atomic_load(&t.b.write_failed);
     free(base);
-    return 0;
+    return write_failed ? 1 : 0;
 }
