@@ -296,7 +296,21 @@ def test_a_slot_past_the_cache_is_an_index_error_before_anything_is_written(int4
     before = cache.clone()
     past = cache.shape[0] * cache.shape[3]
     meta = AttentionMetadata(torch.tensor([past]), 1, torch.tensor([[0]]), torch.tensor([1]), (), torch.tensor([True]))
-    with pytest.raises(IndexError, match="past the cache"):
+    with pytest.raises(IndexError, match="outside the cache"):
+        plan.run(torch.zeros(1, 576), torch.tensor([0]), meta, cache)
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("slot", [-1, 96 * 16])
+def test_an_int8_caches_slot_outside_it_is_an_index_error_before_anything_is_written(smollm2, slot):
+    """The INT8 write takes no padding slot (< 0), as none past the cache: the step refuses both."""
+    from pdserve.runtime.attention import AttentionMetadata
+
+    engine = _int4_engine(smollm2, kv_dtype="int8")
+    plan, cache = engine.runner.model.one_call_decode_step(), engine.runner.kv_cache
+    before = cache.clone()
+    meta = AttentionMetadata(torch.tensor([slot]), 1, torch.tensor([[0]]), torch.tensor([1]), (), torch.tensor([True]))
+    with pytest.raises(IndexError, match="outside the cache"):
         plan.run(torch.zeros(1, 576), torch.tensor([0]), meta, cache)
     assert torch.equal(cache, before)
 

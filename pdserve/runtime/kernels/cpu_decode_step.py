@@ -85,7 +85,8 @@ class _DecodeStep(ctypes.Structure):
                 ("intermediate", _I), ("num_layers", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
                 ("cache_blocks", _I), ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
-                ("context_lens", _P), ("final_norm", _P), ("bf16", _I), ("amx_from_rows", _I), ("kv_int8", _I)]
+                ("context_lens", _P), ("final_norm", _P), ("bf16", _I), ("amx_from_rows", _I),
+                ("kv_int8", _I)]
 
 
 def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
@@ -187,7 +188,7 @@ class DecodeStepPlan:
         if err == 2:
             raise IndexError(f"a position past the RoPE tables ({ctx.cos.shape[0]} positions)")
         if err == 4:
-            raise IndexError(f"a KV slot past the cache ({kv_cache.shape[0]} blocks of {block_size_of(kv_cache)})")
+            raise IndexError(f"a KV slot outside the cache ({kv_cache.shape[0]} blocks of {block_size_of(kv_cache)})")
         if err:
             raise RuntimeError(f"the C decode step refused its shapes (error {err})")
         return out

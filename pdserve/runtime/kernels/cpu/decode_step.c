@@ -456,8 +456,8 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
                 int64_t* loaded) {
     for (int64_t r = 0; r < s->batch; r++)
         if (s->positions[r] < 0 || s->positions[r] >= s->max_positions) return 2;
-    for (int64_t r = 0; r < s->batch; r++)
-        if (s->slots[r] >= s->cache_blocks * s->block_size) return 4;
+    for (int64_t r = 0; r < s->batch; r++)  // (a padding slot, < 0, is skipped, but not by the INT8 write)
+        if (s->slots[r] >= s->cache_blocks * s->block_size || (s->kv_int8 && s->slots[r] < 0)) return 4;
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
     if (s->kv_int8 && (s->kv_heads > KV_WRITE_MAX_HEADS || s->head_dim % 4)) return 3;  // kv_write.c's 2
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
