@@ -44,9 +44,9 @@ def step_ms(engine: Engine, batch: int, steps: int, prompt_len: int = PROMPT) ->
 
     The prompts are prefilled in chunks, so the first sequences decode while the last are still
     prefilled: each may generate up to one token a prefill step before the timed steps. max_tokens
-    leaves room for those too (with `steps + 8`, as before stop 51, sequences of 200-token prompts at
-    32 finished inside the timed steps, which then ran on a shrinking batch: 58 ms "at 32" where 32
-    sequences take 72). The sequences are aborted once timed."""
+    leaves room for those too (with `steps + 8`, as before stop 51, sequences of 264-token prompts at
+    32 finished inside the timed steps, which then ran on a shrinking batch: 56-60 ms "at 32" on one
+    thread where 32 sequences take 73). The sequences are aborted once timed."""
     params = SamplingParams(max_tokens=prefill_steps(batch, prompt_len, engine.config.scheduler) + steps + 8,
                             temperature=0, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]

@@ -1,7 +1,7 @@
 """benchmarks/decode_step.py: its timed steps decode the whole batch, however long the prompts.
 
 Before stop 51 the sequences' max_tokens was the timed steps plus 8, while the first prompts of a
-chunked prefill already decoded a token at every later prefill step: at 32 sequences of 200-token
+chunked prefill already decoded a token at every later prefill step: at 32 sequences of 264-token
 prompts some finished inside the timed window, so "a step at 32" was a step of fewer."""
 
 from __future__ import annotations

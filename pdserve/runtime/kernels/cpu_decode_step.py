@@ -11,11 +11,10 @@ one thread (`StepThreads`). `DecodeStepPlan.of` returns None for a model it does
 cover: a projection that is not 4-bit on our kernel (`Int4Linear.q8`), a column permutation,
 tensor parallelism, shapes past the attention's buffers. The cache is in the activations' dtype or
 holds INT8 codes (`--kv-dtype int8`: written by kv_write.c and read by paged_attention*.c, the eager
-step's functions for it). fp32 models run every decode-only step of
-generated tokens here; bf16 ones those of fewer than BF16_Q8_BELOW_ROWS sequences,
-whose projections the eager step also runs on our kernel (larger ones take torch's matmuls), and on
-a CPU with AMX-BF16 those of fewer than AMX_BELOW_ROWS, whose projections the eager step runs on the
-AMX kernel (int4_amx.c) and SiLU in C.
+step's functions for it). fp32 models run every decode-only step of generated tokens here; bf16 ones
+those of fewer than BF16_Q8_BELOW_ROWS sequences, whose projections the eager step also runs on our
+kernel (larger ones take torch's matmuls), and on a CPU with AMX-BF16 those of fewer than
+AMX_BELOW_ROWS, whose projections the eager step runs on the AMX kernel (int4_amx.c) and SiLU in C.
 """
 
 from __future__ import annotations

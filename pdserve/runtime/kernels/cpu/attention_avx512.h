@@ -8,6 +8,8 @@
 
 #include "bf16.h"
 
+#define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 sums a values pass holds in registers (of 32)
+
 // 16 vectors' horizontal sums as one vector: lane i is the sum of v[i]'s lanes. A transposing
 // reduction (pairs of vectors, then 64-bit pairs, then 128-bit lanes twice): 15 shuffle-and-add
 // steps for 16 sums, where 16 separate reductions take 4 dependent steps each.

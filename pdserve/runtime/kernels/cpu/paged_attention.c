@@ -160,7 +160,6 @@ DEFINE_WEIGHTED_VALUES(paged_values_f32_i8, float, STORE_F32, int8_t, load_row_i
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define BF16_DOT_ATTENTION 1
-#define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 accumulators held in registers by the values pass
 #include "attention_avx512.h"
 
 static int bf16_dot_applies(int64_t heads, int64_t kv_heads, int64_t dim) {

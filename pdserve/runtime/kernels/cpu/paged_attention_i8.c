@@ -2,7 +2,8 @@
 // passes where they apply). Why: the portable passes widen every code to fp32, scale it, and take one
 // dot product per query head with a horizontal sum each: at 32 sequences of 270 tokens (SmolLM2, 30
 // layers, one thread, Xeon with AVX512-BF16) 54 ms with every block in cache and 74 from memory,
-// where the bf16 cache's passes take 11 and 37. So an INT8 cache (half the bytes) was slower to read.
+// where the bf16 cache's passes take 11 and 37. So an INT8 cache (half the bytes) was slower to read;
+// these passes take 14 and 30.
 //
 // The codes are exact in bf16 (|code| <= 127 needs 7 significant bits), so a run of 16 keys is
 // widened to bf16 once (into L1) and the scores take the bf16 cache's `vdpbf16ps` products on it;
@@ -23,7 +24,6 @@
 
 #define MAX_HEAD_DIM 256  // paged_attention.c's
 #define MAX_HEADS 64
-#define MAX_ACC_VECTORS 24  // group * dim / 16 fp32 sums the values pass keeps in registers
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "attention_avx512.h"
