@@ -76,7 +76,7 @@ int paged_attention_f32_i8_units(const float* q, float* out, float* scores, floa
         int64_t layer_offset
 int kv_write_int8_f32(KV_WRITE_INT8_ARGS);
 int kv_write_int8_bf16(KV_WRITE_INT8_ARGS);
-#define KV_WRITE_MAX_HEADS 64  // kv_write.c's buffers
+int kv_write_int8_takes(int64_t kv_heads, int64_t dim);
 int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride);
@@ -459,7 +459,7 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     for (int64_t r = 0; r < s->batch; r++)  // (a padding slot, < 0, is skipped, but not by the INT8 write)
         if (s->slots[r] >= s->cache_blocks * s->block_size || (s->kv_int8 && s->slots[r] < 0)) return 4;
     if (s->head_dim > ATTENTION_MAX_HEAD_DIM || s->heads > ATTENTION_MAX_HEADS) return 3;
-    if (s->kv_int8 && (s->kv_heads > KV_WRITE_MAX_HEADS || s->head_dim % 4)) return 3;  // kv_write.c's 2
+    if (s->kv_int8 && !kv_write_int8_takes(s->kv_heads, s->head_dim)) return 3;
     Team t = {.s = s, .layers = layers, .embeddings = embeddings, .out = out};
     char* base = scratch_alloc(s, &t.b);
     if (base == NULL) return 1;

@@ -138,12 +138,18 @@ static void load_row(const void* src, int bf16, float* restrict dst, int64_t n) 
 
 static float amax_of(const void* x, int bf16, int64_t n) { return bf16 ? amax_bf16(x, n) : amax_f32(x, n); }
 
+// Whether the INT8 write takes heads of these shapes (its fixed buffers; a head's scale slot is its
+// first 4 bytes): the one-call decode step asks before it runs.
+int kv_write_int8_takes(int64_t kv_heads, int64_t dim) {
+    return kv_heads <= MAX_HEADS && dim <= MAX_HEAD_DIM && dim % 4 == 0;
+}
+
 // What both entry points do; `bf16`: k and v hold bf16 bits, else fp32. Element sizes and strides of
 // k, v in elements; of the cache in bytes.
 static int kv_write_int8(int8_t* cache, const void* k, const void* v, int bf16, int64_t k_row_stride,
                          int64_t v_row_stride, const int64_t* slots, int64_t n, int64_t num_blocks, int64_t kv_heads,
                          int64_t dim, int64_t block_size, int64_t block_stride, int64_t layer_offset) {
-    if (kv_heads > MAX_HEADS || dim > MAX_HEAD_DIM || dim % 4) return 2;
+    if (!kv_write_int8_takes(kv_heads, dim)) return 2;
     for (int64_t i = 0; i < n; i++)
         if (slots[i] < 0 || slots[i] >= num_blocks * block_size) return 1;  // torch's path decides what it means
     int64_t row = kv_heads * dim, run_stride = (block_size + 1) * row, esize = bf16 ? 2 : 4;
