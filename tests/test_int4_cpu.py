@@ -61,8 +61,9 @@ def test_packed_matmul_equals_the_dense_matmul_of_the_dequantized_weight(rows):
     assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
     assert torch.equal(fused(x)[:, :96], Int4Linear(q, bias[:96])(x))  # fused = separate, bit for bit
     # torch's packing with bf16 scales and zeros, and our kernel's (Q8Form, for steps of few rows) with
-    # fp32 scales and mins: 1.375 bytes a weight against bf16's 2 (and the biases)
-    assert fused.nbytes < 0.75 * 128 * 64 * 2
+    # fp32 scales and mins: 1.375 bytes a weight against bf16's 2 (and the biases); where the VNNI GEMM
+    # replaces torch's packing, its own codes and fp32 scales instead: 1.625
+    assert fused.nbytes < (0.75 if fused.q8_gemm is None else 0.85) * 128 * 64 * 2
 
 
 def test_both_paths_dequantize_to_the_same_weight():

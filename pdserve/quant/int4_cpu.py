@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pdserve.quant.int4_codes import GROUP, Int4Codes
 from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed, onednn_packed_f32
 from pdserve.runtime.kernels import cpu_int4_matmul
-from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS
+from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS, Q8_GEMM_BELOW_ROWS
 
 # From this many rows on (a prefill chunk), dequantizing the weight and running a dense matmul beats
 # the kernel, whose cost grows with every row (0.042 ms per row and SmolLM2 layer at 2 threads; two
@@ -124,10 +124,16 @@ class Int4Linear:
 
     `amx` (the AMX kernel's copy of the codes, `amx_runs`) replaces torch's packing on a CPU with
     AMX-BF16: bf16 calls of 5 to AMX_BELOW_ROWS - 1 rows run on it (the dense copy's weights, only the
-    order of the fp32 sums differing), larger ones dense."""
+    order of the fp32 sums differing), larger ones dense.
+
+    `q8_gemm` (the VNNI GEMM's copy, `cpu_int4_matmul.q8_gemm_panels`) replaces torch's packing on a CPU
+    with AVX512-VNNI and no AMX: bf16 calls of 5 to Q8_GEMM_BELOW_ROWS - 1 rows (any count below the
+    dense threshold) run on it, the `q8` kernel's sums in another order, so a generated token's
+    projections quantize their inputs to int8 at every decode batch size up to there; prompt chunks of
+    more rows stay dense."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -137,12 +143,17 @@ class Int4Linear:
         # fp32 activations with one plane: our C kernel, on our packing (torch's kernel is slow in fp32).
         ours = dtype == torch.float32 and p == 1 and cpu_int4_matmul.available()
         amx = amx_runs(codes)
-        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours or the AMX kernel runs every call).
-        self.packed = None if ours or amx else torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
+        few_rows = (dtype == torch.bfloat16 and p == 1 and codes.perm is None and not codes.exact_inputs
+                    and cpu_int4_matmul.available())
+        gemm = few_rows and not amx and n % cpu_int4_matmul.Q8_GEMM_PANEL == 0 and cpu_int4_matmul.q8_gemm_available()
+        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours, the AMX kernel or the VNNI
+        # GEMM runs every call that is not dense).
+        self.packed = None if ours or amx or gemm else torch._convert_weight_to_int4pack_for_cpu(
+            codes.codes.to(torch.int32), 1)
         # [P K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         block = kernel_block_rows()
-        own = ours or amx or block is None or n % block
+        own = ours or amx or gemm or block is None or n % block
         # [N, P K / 2] uint8, contiguous: the C kernel reads whole rows (codes may come as a transposed view)
         self.nibbles = _nibbles(codes.codes) if own else None
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
@@ -160,9 +171,10 @@ class Int4Linear:
         self.perm = codes.perm  # [in] int64 or None: the input column of each weight column
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
-        few_rows = (dtype == torch.bfloat16 and p == 1 and codes.perm is None and not codes.exact_inputs
-                    and cpu_int4_matmul.available())
         self.q8 = self._q8_form(codes) if ours or few_rows else None
+        # The VNNI GEMM's copy of the codes (a code a byte) and of the Q8 form's scales (`q8_gemm_panels`):
+        # bf16 calls of 5 to Q8_GEMM_BELOW_ROWS - 1 rows (below the dense threshold: any count) run on it.
+        self.q8_gemm = cpu_int4_matmul.q8_gemm_panels(self.q8.nibbles, self.q8.scale, self.q8.mins) if gemm else None
         # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above
         self.amx = cpu_int4_matmul.amx_codes(codes.codes) if amx else None
         # [N] fp32: the AMX kernel's bias, made here rather than per call (the Q8 form's where there is one)
@@ -194,6 +206,10 @@ class Int4Linear:
             return self._fp32(x)
         if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS and self.q8 is not None:
             y = cpu_int4_matmul.matmul_bf16(x, self.q8.nibbles, self.q8.scale, self.q8.mins, self.q8.bias)
+            if y is not None:
+                return y
+        if self.q8_gemm is not None and (x.shape[0] < Q8_GEMM_BELOW_ROWS or x.shape[0] < self.dense_from_rows):
+            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
             if y is not None:
                 return y
         if self.amx is not None:  # no torch packing: AMX below AMX_BELOW_ROWS, dense from it
@@ -332,7 +348,8 @@ class Int4Linear:
             ts.append(self.amx)
         if self.amx_bias is not None and self.q8 is None:  # its own (else the Q8 form's, counted above)
             ts.append(self.amx_bias)
-        return sum(t.numel() * t.element_size() for t in ts)
+        gemm = 0 if self.q8_gemm is None else self.q8_gemm.nbytes
+        return sum(t.numel() * t.element_size() for t in ts) + gemm
 
 
 def amx_runs(codes: Int4Codes) -> bool:

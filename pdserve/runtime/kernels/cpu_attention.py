@@ -42,7 +42,7 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # them (decode_step.c, cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
     "paged_attention_f32.c", "paged_attention_i8.c", "kv_write.c", "int4_matmul.c", "int4_exact.c",
-    "bf16_matmul.c", "layer_ops.c", "decode_step.c", "int4_amx.c")))
+    "bf16_matmul.c", "layer_ops.c", "decode_step.c", "int4_amx.c", "int4_q8_gemm.c")))
 # included: part of the cache key
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "bf16.h", "threads.h", "int4_common.h", "q8_widen.h", "attention_avx512.h"))
@@ -183,10 +183,11 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in (("int4_linear_f32", _INT4_LINEAR_ARGS), ("int4_linear_bf16", _INT4_LINEAR_ARGS),
                            ("int8_linear_f32", _INT8_LINEAR_ARGS), ("int8_linear_bf16", _INT8_LINEAR_ARGS),
                            ("int4_linear_exact_f32", _INT4_LINEAR_ARGS), ("int8_linear_exact_f32", _INT8_LINEAR_ARGS),
-                           ("int8_amx_linear", _INT8_AMX_LINEAR_ARGS)):
+                           ("int8_amx_linear", _INT8_AMX_LINEAR_ARGS), ("int4_q8_gemm_bf16", _INT4_LINEAR_ARGS)):
         getattr(lib, f"{name}_threads").argtypes, getattr(lib, f"{name}_threads").restype = argtypes, ctypes.c_int
     lib.bf16_dot_available.argtypes, lib.bf16_dot_available.restype = [], ctypes.c_int
     lib.int4_amx_available.argtypes, lib.int4_amx_available.restype = [], ctypes.c_int
+    lib.int4_q8_gemm_available.argtypes, lib.int4_q8_gemm_available.restype = [], ctypes.c_int
     lib.int4_amx_linear_threads.argtypes, lib.int4_amx_linear_threads.restype = _AMX_LINEAR_ARGS, ctypes.c_int
     return lib
 

@@ -13,6 +13,7 @@ runs torch's path.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -135,6 +136,64 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
         return None
     return _over_output_rows(x, codes.shape[0], cpu_attention.library().int8_linear_bf16_threads,
                              (codes.data_ptr(), scale.data_ptr()))
+
+
+# bf16 calls of BF16_Q8_BELOW_ROWS up to this many rows run on the VNNI GEMM where the CPU has AVX512-VNNI
+# and no AMX (`matmul_q8_gemm`, Int4Linear): the sums of `matmul_bf16` (inputs quantized to int8 per group
+# of 32, llama.cpp's Q4_1 x Q8_1), so a generated token's projections have the same arithmetic at every
+# batch size up to here, where they took the dense bf16 copy from 8 rows before. SmolLM2's 30 layers'
+# projections on a 2-core Zen 4 at one thread, 32 rows: 21 against the packed dense copy's 33 ms (weights
+# in cache). Prompt chunks (this many rows or more) keep the dense copy's exact bf16 products.
+Q8_GEMM_BELOW_ROWS = 64
+Q8_GEMM_PANEL = 16  # outputs a panel (int4_q8_gemm.c): n must be a multiple of it
+
+
+@functools.cache
+def q8_gemm_available() -> bool:
+    """Whether the VNNI GEMM runs here (kernels/cpu/int4_q8_gemm.c built with AVX512-VNNI)."""
+    lib = cpu_attention.library()
+    return lib is not None and bool(lib.int4_q8_gemm_available())
+
+
+def q8_gemm_panels(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> Q8GemmWeights:
+    """The GEMM's layout of w[n, k] = q[n, k] * scale[n, k/32] + mins[n, k/32] (nibbles [N, K/2]: byte
+    j holds codes 2j, 2j + 1): codes [N/16, K/8, 16, 4] uint8, byte i of lane l of block j holding input
+    8j + i (low nibble) and 8j + 4 + i (high) of output 16 panel + l; scale, mins [N/16, K/32, 16]."""
+    n, half = nibbles.shape
+    codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).view(n, 2 * half)  # [N, K]
+    k = codes.shape[1]
+    quads = codes.view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // 8, 2, 4).permute(0, 2, 1, 3, 4)  # [N/16, K/8, 16, 2, 4]
+    panels = (quads[..., 0, :] | (quads[..., 1, :] << 4)).contiguous()
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // GROUP).transpose(1, 2).contiguous()
+
+    return Q8GemmWeights(panels, by_panel(scale), by_panel(mins))
+
+
+@dataclass(frozen=True, slots=True)
+class Q8GemmWeights:
+    """A 4-bit projection in the VNNI GEMM's layout (`q8_gemm_panels`)."""
+
+    codes: torch.Tensor  # [N / 16, K / 8, 16, 4] uint8, two codes a byte
+    scale: torch.Tensor  # [N / 16, K / 32, 16] fp32
+    mins: torch.Tensor  # [N / 16, K / 32, 16] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins))
+
+
+def matmul_q8_gemm(x: torch.Tensor, weights: Q8GemmWeights, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """As `matmul_bf16` (x [M, K] bf16 -> y [M, N] bf16, the same quantized sums plus bias [N] fp32) on the
+    register-tiled VNNI GEMM, for many rows. None where it does not apply."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
+            and q8_gemm_available()):
+        return None
+    n = weights.codes.shape[0] * Q8_GEMM_PANEL
+    w = (weights.codes.data_ptr(), weights.scale.data_ptr(), weights.mins.data_ptr(),
+         0 if bias is None else bias.data_ptr())
+    return _over_output_rows(x, n, cpu_attention.library().int4_q8_gemm_bf16_threads, w, torch.bfloat16)
 
 
 # bf16 calls of BF16_Q8_BELOW_ROWS up to this many rows run on the AMX kernel where the CPU has it
