@@ -128,11 +128,38 @@ def test_a_bf16_int4_linear_sends_decode_batches_to_it_and_prompt_chunks_dense()
     assert torch.equal(lin(x), kernel.matmul_q8_gemm(x, lin.q8_gemm, q8.bias))  # the copy's 8-row start is not
 
 
-def _decode_logits(checkpoint, prompts: list[list[int]]) -> torch.Tensor:
-    """[S, vocab]: the logits of one decode step of every prompt (a bf16 SmolLM2 engine with the dense copy)."""
+def test_in_a_forward_generated_rows_take_it_and_prompt_rows_the_dense_copy():
+    """A mixed step (a prompt chunk and decode rows): each generated row gets the GEMM's bits, each prompt
+    row the dense copy's, whatever the other kind's rows; a decode-only step of 64 rows and more stays on it."""
+    lin = _linear(96, 64, seed=8)
+    lin.keep_dense_copy()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    generated = torch.zeros(40, dtype=torch.bool)
+    generated[::3] = True  # 14 generated rows among 26 prompt rows
+    with int4_cpu.token_kinds(int4_cpu.RowKinds.of(generated)):
+        y = lin(x)
+    if lin.q8_gemm is None:
+        assert not GEMM or kernel.amx_available()
+        return
+    assert torch.equal(y[generated], kernel.matmul_q8_gemm(x[generated], lin.q8_gemm, lin.q8.bias))
+    assert torch.equal(y[~generated], F.linear(x[~generated], lin.dequantized(), lin.bias))
+    many = torch.randn(Q8_GEMM_BELOW_ROWS + 8, 64, generator=gen).bfloat16()
+    with int4_cpu.token_kinds(int4_cpu.RowKinds.of(torch.ones(len(many), dtype=torch.bool))):
+        assert torch.equal(lin(many), kernel.matmul_q8_gemm(many, lin.q8_gemm, lin.q8.bias))
+
+
+def _decode_logits(checkpoint, prompts: list[list[int]], gemm: bool = True) -> torch.Tensor:
+    """[S, vocab]: the logits of one decode step of every prompt (a bf16 SmolLM2 engine with the dense
+    copy; without `gemm` its projections forget the GEMM, and such steps take the copy as before it)."""
     engine = Engine.from_checkpoint(checkpoint, EngineConfig(
         cache=CacheConfig(num_blocks=64, dtype="bfloat16"), scheduler=SchedulerConfig(max_num_seqs=len(prompts)),
         dtype="bfloat16", weight_format="auto", dense_copy=True))
+    for layer in engine.runner.model.layers:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for part in getattr(linear, "parts", [linear]):
+                if isinstance(part, Int4Linear) and not gemm:
+                    part.q8_gemm = None
     engine.keep_logits = True
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -142,15 +169,14 @@ def _decode_logits(checkpoint, prompts: list[list[int]]) -> torch.Tensor:
     return engine.last_logits.clone()
 
 
-def test_a_smollm2_decode_step_on_it_follows_the_dense_copys(smollm2_bf16, monkeypatch):
+def test_a_smollm2_decode_step_on_it_follows_the_dense_copys(smollm2_bf16):
     """16 sequences' decode step on the GEMM (int8 inputs) against the same step on the dense copy (bf16
     inputs, the exact products): logits within the inputs' quantization noise, the same greedy token
     wherever the top two are not near-tied."""
     tok = smollm2_bf16.tokenizer
     prompts = [tok.encode(f"Question {i}: what is {i} plus {i + 1}? Answer:") for i in range(16)]
     on_gemm = _decode_logits(smollm2_bf16, prompts)
-    monkeypatch.setattr(int4_cpu, "Q8_GEMM_BELOW_ROWS", 0)  # 16 rows: past the copy's 8-row threshold
-    dense = _decode_logits(smollm2_bf16, prompts)
+    dense = _decode_logits(smollm2_bf16, prompts, gemm=False)  # 16 rows: past the copy's 8-row threshold
     if not GEMM or kernel.amx_available():
         assert torch.equal(on_gemm, dense)  # nothing ran it
         return

@@ -127,10 +127,11 @@ class Int4Linear:
     order of the fp32 sums differing), larger ones dense.
 
     `q8_gemm` (the VNNI GEMM's copy, `cpu_int4_matmul.q8_gemm_panels`) replaces torch's packing on a CPU
-    with AVX512-VNNI and no AMX: bf16 calls of 5 to Q8_GEMM_BELOW_ROWS - 1 rows (any count below the
-    dense threshold) run on it, the `q8` kernel's sums in another order, so a generated token's
-    projections quantize their inputs to int8 at every decode batch size up to there; prompt chunks of
-    more rows stay dense."""
+    with AVX512-VNNI and no AMX: in a forward, generated tokens' rows of 5 or more run on it (fewer on
+    the `q8` kernel: the same sums in another order), so a generated token's projections quantize their
+    inputs to int8 whatever its step holds, as steps of one to four sequences always did; prompt
+    tokens' rows stay dense (exact bf16 products) from `dense_from_rows` (a mixed step splits its
+    rows, as fp32's `token_kinds` does). Outside a forward, calls of 5 to Q8_GEMM_BELOW_ROWS - 1 rows."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm")
@@ -204,12 +205,10 @@ class Int4Linear:
             x = permute_columns(x, self.perm)
         if self.mins is not None:
             return self._fp32(x)
+        if self.q8_gemm is not None:
+            return self._bf16_by_kind(x)
         if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS and self.q8 is not None:
             y = cpu_int4_matmul.matmul_bf16(x, self.q8.nibbles, self.q8.scale, self.q8.mins, self.q8.bias)
-            if y is not None:
-                return y
-        if self.q8_gemm is not None and (x.shape[0] < Q8_GEMM_BELOW_ROWS or x.shape[0] < self.dense_from_rows):
-            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
             if y is not None:
                 return y
         if self.amx is not None:  # no torch packing: AMX below AMX_BELOW_ROWS, dense from it
@@ -221,6 +220,34 @@ class Int4Linear:
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
+
+    def _bf16_by_kind(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 with the VNNI GEMM: generated tokens' rows on the int8 sums (`_q8_or_dense`), prompt
+        tokens' rows dense from `dense_from_rows`. Outside a forward (no `token_kinds`): rows by count, fewer
+        than Q8_GEMM_BELOW_ROWS as generated ones."""
+        m = x.shape[0]
+        kinds = _generated_rows.get()
+        if kinds is None or len(kinds.generated) + len(kinds.prompt) != m:
+            return self._q8_or_dense(x, m < Q8_GEMM_BELOW_ROWS)
+        if len(kinds.prompt) == 0 or len(kinds.generated) == 0:
+            return self._q8_or_dense(x, len(kinds.prompt) == 0)
+        y = torch.empty((m, self.out_features), dtype=x.dtype)
+        y[kinds.prompt] = self._q8_or_dense(x[kinds.prompt], False)
+        y[kinds.generated] = self._q8_or_dense(x[kinds.generated], True)
+        return y
+
+    def _q8_or_dense(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
+        """The int8 sums (few rows: the `q8` kernel; more: the GEMM) for generated tokens and for prompt
+        chunks below the dense threshold (no torch packing is kept beside the GEMM); dense otherwise."""
+        m = x.shape[0]
+        q8 = self.q8
+        if m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
+            y = cpu_int4_matmul.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias)
+        elif generated or m < self.dense_from_rows:
+            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, q8.bias)
+        else:
+            y = None
+        return self._dense(x) if y is None else y
 
     def _fp32(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32: generated tokens' rows on the C kernel, prompt tokens' dense (`token_kinds`)."""

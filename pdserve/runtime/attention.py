@@ -29,7 +29,8 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [B] int64
     prefills: tuple[PrefillSpan, ...]
     # [N] bool: rows of tokens the model generated (not prompt tokens); None: not told. Read by
-    # fp32 int4 projections, which run generated tokens on their kernel (quant.int4_cpu.token_kinds).
+    # int4 projections (fp32; bf16 with the VNNI GEMM), which run generated tokens on their int8 kernels
+    # (quant.int4_cpu.token_kinds).
     generated_rows: torch.Tensor | None = None
 
 

@@ -241,7 +241,7 @@ class LlamaModel:
         attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         residual = None
         kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
-        with token_kinds(kinds):  # fp32 int4: generated tokens on the kernel, prompt tokens dense
+        with token_kinds(kinds):  # int4: generated tokens on the int8 kernels, prompt tokens dense
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, positions, attend)
                 if self.between_layers is not None:
