@@ -130,11 +130,11 @@ def test_bf16_decode_steps_of_many_sequences_on_the_dense_copy_follow_the_packed
         logits.append(engine.last_logits.clone())
     packed, dense = logits
     assert packed.shape == (DENSE_COPY_FROM_ROWS, smollm2_bf16.config.vocab_size)
-    if linear.amx is not None or linear.q8_gemm is not None:
-        # AMX-BF16: such steps run the AMX kernel with or without the copy (its weights are the copy's:
-        # tests/test_cpu_int4_amx.py); AVX512-VNNI without AMX: the VNNI GEMM (tests/test_cpu_q8_gemm.py)
-        assert torch.equal(packed, dense)
+    if linear.amx is not None:  # AMX-BF16: such steps run the AMX kernel with or without the copy
+        assert torch.equal(packed, dense)  # (its weights are the copy's: tests/test_cpu_int4_amx.py)
         return
+    if linear.q8_gemm is not None:  # AVX512-VNNI without AMX: with the copy such steps run the VNNI GEMM
+        return  # (int8 inputs), against the copy's bf16 products in tests/test_cpu_q8_gemm.py
     assert not torch.equal(packed, dense)  # the dense copy did run
     diff = (packed - dense).abs()
     # bf16 noise: the logits are bf16 values (steps of 0.125 at SmolLM2's 8-32), and each layer's

@@ -1,4 +1,4 @@
-"""The VNNI GEMM (kernels/cpu/int4_q8_gemm.c): bf16 steps of 5 to Q8_GEMM_BELOW_ROWS - 1 rows of a 4-bit
+"""The VNNI GEMM (kernels/cpu/int4_q8_gemm.c): bf16 rows of generated tokens, 5 or more a call, of a 4-bit
 linear, on a CPU with AVX512-VNNI and no AMX, take llama.cpp's Q4_1 x Q8_1 sums register-tiled.
 
 References: torch's emulation of the same int8 quantization of the inputs with exact integer dots
@@ -21,7 +21,7 @@ from pdserve.quant.int4_codes import quantize_rtn
 from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kernels import cpu_int4_matmul as kernel
-from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS, Q8_GEMM_BELOW_ROWS
+from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS
 from pdserve.runtime.sampling_params import SamplingParams
 
 GEMM = kernel.q8_gemm_available()
@@ -108,45 +108,41 @@ def _linear(n: int, k: int, seed: int) -> Int4Linear:
     return Int4Linear(quantize_rtn(torch.randn(n, k, generator=gen)), torch.randn(n, generator=gen))
 
 
-def test_a_bf16_int4_linear_sends_decode_batches_to_it_and_prompt_chunks_dense():
-    lin = _linear(96, 64, seed=3)
-    gen = torch.Generator().manual_seed(4)
+def _generated(rows: int, every: int = 1) -> torch.Tensor:
+    """[rows] bool: every `every`-th row a generated token's, the rest prompt tokens'."""
+    mask = torch.zeros(rows, dtype=torch.bool)
+    mask[::every] = True
+    return mask
+
+
+def test_a_bf16_int4_linear_runs_generated_rows_on_it_and_other_rows_dense():
+    """With the dense copy, in a forward, generated tokens' rows (5 or more) take the GEMM, fewer the
+    few-row kernel (the same sums); prompt rows, and rows of no told kind (outside a forward), the copy;
+    a mixed step splits its rows, each kind's bits whatever the other's rows. Without the copy nothing
+    changes (torch's packing kept)."""
+    lin = _linear(96, 64, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    assert lin.q8_gemm is None and lin.packed is not None or lin.amx is not None  # no copy: as before
+    lin.keep_dense_copy()  # a worker's: the GEMM with it
     if not GEMM or kernel.amx_available():
         assert lin.q8_gemm is None  # AMX's kernel (or torch's) keeps these calls
         return
     assert lin.q8_gemm is not None and lin.packed is None  # torch's packing is not kept beside it
     q8 = lin.q8
-    for rows in (BF16_Q8_BELOW_ROWS, 17, Q8_GEMM_BELOW_ROWS - 1):
+    for rows in (BF16_Q8_BELOW_ROWS, 17, 80):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
-        assert torch.equal(lin(x), kernel.matmul_q8_gemm(x, lin.q8_gemm, q8.bias))
+        with int4_cpu.token_kinds(int4_cpu.RowKinds.of(_generated(rows))):
+            assert torch.equal(lin(x), kernel.matmul_q8_gemm(x, lin.q8_gemm, q8.bias))
+        assert torch.equal(lin(x), F.linear(x, lin.dequantized(), lin.bias))  # no kind told: the copy
     x = torch.randn(BF16_Q8_BELOW_ROWS - 1, 64, generator=gen).bfloat16()
-    assert torch.equal(lin(x), kernel.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias))
-    lin.keep_dense_copy()  # a worker's: prompt chunks from Q8_GEMM_BELOW_ROWS rows take it
-    x = torch.randn(Q8_GEMM_BELOW_ROWS, 64, generator=gen).bfloat16()
-    assert torch.equal(lin(x), F.linear(x, lin.dequantized(), lin.bias))
-    x = torch.randn(Q8_GEMM_BELOW_ROWS - 1, 64, generator=gen).bfloat16()
-    assert torch.equal(lin(x), kernel.matmul_q8_gemm(x, lin.q8_gemm, q8.bias))  # the copy's 8-row start is not
-
-
-def test_in_a_forward_generated_rows_take_it_and_prompt_rows_the_dense_copy():
-    """A mixed step (a prompt chunk and decode rows): each generated row gets the GEMM's bits, each prompt
-    row the dense copy's, whatever the other kind's rows; a decode-only step of 64 rows and more stays on it."""
-    lin = _linear(96, 64, seed=8)
-    lin.keep_dense_copy()
-    gen = torch.Generator().manual_seed(9)
+    with int4_cpu.token_kinds(int4_cpu.RowKinds.of(_generated(len(x)))):
+        assert torch.equal(lin(x), kernel.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias))
     x = torch.randn(40, 64, generator=gen).bfloat16()
-    generated = torch.zeros(40, dtype=torch.bool)
-    generated[::3] = True  # 14 generated rows among 26 prompt rows
+    generated = _generated(40, every=3)  # 14 generated rows among 26 prompt rows
     with int4_cpu.token_kinds(int4_cpu.RowKinds.of(generated)):
         y = lin(x)
-    if lin.q8_gemm is None:
-        assert not GEMM or kernel.amx_available()
-        return
-    assert torch.equal(y[generated], kernel.matmul_q8_gemm(x[generated], lin.q8_gemm, lin.q8.bias))
+    assert torch.equal(y[generated], kernel.matmul_q8_gemm(x[generated], lin.q8_gemm, q8.bias))
     assert torch.equal(y[~generated], F.linear(x[~generated], lin.dequantized(), lin.bias))
-    many = torch.randn(Q8_GEMM_BELOW_ROWS + 8, 64, generator=gen).bfloat16()
-    with int4_cpu.token_kinds(int4_cpu.RowKinds.of(torch.ones(len(many), dtype=torch.bool))):
-        assert torch.equal(lin(many), kernel.matmul_q8_gemm(many, lin.q8_gemm, lin.q8.bias))
 
 
 def _decode_logits(checkpoint, prompts: list[list[int]], gemm: bool = True) -> torch.Tensor:

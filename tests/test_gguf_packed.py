@@ -20,7 +20,7 @@ from pdserve.quant.int4_cpu import Int4Linear
 from pdserve.runtime.config import CacheConfig, EngineConfig
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kernels import cpu_int4_matmul
-from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS, Q8_GEMM_BELOW_ROWS
+from pdserve.runtime.kernels.cpu_int4_matmul import BF16_Q8_BELOW_ROWS
 from pdserve.runtime.loader import ModelLoadError, load_checkpoint
 from pdserve.runtime.sampling_params import SamplingParams
 
@@ -70,16 +70,14 @@ def test_packed_matmul_equals_f_linear_on_the_dequantized_weight(qtype, rows):
     want, got = F.linear(x.float(), w), lin(x).float()
     # bf16 scales and a bf16 output: within a few bf16 ulps of the largest output; fewer rows than
     # BF16_Q8_BELOW_ROWS of one plane run our kernel, whose int8 inputs add their quantization's error
-    q8 = lin.q8 is not None and (rows < BF16_Q8_BELOW_ROWS or lin.q8_gemm is not None and rows < Q8_GEMM_BELOW_ROWS)
+    q8 = lin.q8 is not None and rows < BF16_Q8_BELOW_ROWS
     quantized = cpu_int4_matmul.error_bound(x.float(), lin.codes_f32(), lin.q8.scale) if q8 else 0
     assert ((got - want).abs() <= 2 ** -6 * want.abs().max() + quantized).all()
     # both paths (kernel, dequantized weight) multiply the same weight up to bf16 rounding
     assert (lin.dequantized().float() - w).abs().max() <= 2 ** -7 * w.abs().max()
     bits = 16 * lin.nbytes / (128 * 512 * 2)
-    # torch's packing with bf16 scales and zeros; 4-bit codes also in our kernel's form, fp32 scales and mins;
-    # where the VNNI GEMM runs, its copy (4 bits and fp32 scales and mins) instead of torch's packing: +2 bits
-    gemm = 2 if lin.q8_gemm is not None else 0
-    assert bits <= (10.01 if qtype in (Q.Q8_0, Q.Q5_K) else 11.01 + gemm), bits
+    # torch's packing with bf16 scales and zeros; 4-bit codes also in our kernel's form, fp32 scales and mins
+    assert bits <= (10.01 if qtype in (Q.Q8_0, Q.Q5_K) else 11.01), bits
 
 
 def test_rows_not_a_multiple_of_the_kernels_blocks_keep_their_own_copy_and_agree():

@@ -17,7 +17,6 @@ from pdserve.quant.int4_cpu import (DENSE_COPY_FROM_ROWS, DENSE_COPY_FROM_ROWS_T
 from pdserve.quant.int4_codes import codes_of_gguf_blocks, quantize_rtn, weights_for
 from pdserve.runtime.config import CacheConfig, ConfigError, EngineConfig
 from pdserve.runtime.kernels import cpu_int4_matmul
-from pdserve.runtime.kernels.cpu_int4_matmul import Q8_GEMM_BELOW_ROWS
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.sampling_params import SamplingParams
 
@@ -62,9 +61,8 @@ def test_packed_matmul_equals_the_dense_matmul_of_the_dequantized_weight(rows):
     assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
     assert torch.equal(fused(x)[:, :96], Int4Linear(q, bias[:96])(x))  # fused = separate, bit for bit
     # torch's packing with bf16 scales and zeros, and our kernel's (Q8Form, for steps of few rows) with
-    # fp32 scales and mins: 1.375 bytes a weight against bf16's 2 (and the biases); where the VNNI GEMM
-    # replaces torch's packing, its own codes and fp32 scales instead: 1.625
-    assert fused.nbytes < (0.75 if fused.q8_gemm is None else 0.9) * 128 * 64 * 2
+    # fp32 scales and mins: 1.375 bytes a weight against bf16's 2 (and the biases)
+    assert fused.nbytes < 0.75 * 128 * 64 * 2
 
 
 def test_both_paths_dequantize_to_the_same_weight():
@@ -95,18 +93,16 @@ def test_a_kept_dense_copy_changes_no_output_bit_that_both_compute_alike(planes)
     assert kept.nbytes >= plain.nbytes + 128 * 64 * 2  # the copy is the bf16 weight (oneDNN's layout may pad it)
     threshold = DENSE_COPY_FROM_ROWS if planes == 1 else DENSE_COPY_FROM_ROWS_TWO_PLANES
     assert kept.dense_from_rows == (min(threshold, DENSE_PACKED_FROM_ROWS) if kept.dense_packed else threshold)
-    for rows in (1, kept.dense_from_rows - 1, plain.dense_from_rows, 300):
+    # With the VNNI GEMM (tests/test_cpu_q8_gemm.py) the copy takes rows of no told kind from 5 on.
+    first_dense = kept.dense_from_rows if kept.q8_gemm is None else cpu_int4_matmul.BF16_Q8_BELOW_ROWS
+    for rows in (1, first_dense - 1, plain.dense_from_rows, 300):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         assert torch.equal(kept(x), plain(x)), rows
-    # (with the VNNI GEMM, both take it below Q8_GEMM_BELOW_ROWS rows: tests/test_cpu_q8_gemm.py)
-    low = kept.dense_from_rows if kept.q8_gemm is None else max(kept.dense_from_rows, Q8_GEMM_BELOW_ROWS)
-    for rows in (low, plain.dense_from_rows - 1):
+    for rows in (first_dense, plain.dense_from_rows - 1):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         assert torch.equal(kept(x), F.linear(x, plain.dequantized()))
         # Two bf16 roundings of the output (2^-9 of |x| |w| each) and the kernel's own weight rounding.
         bound = (x.double().abs() @ plain.dequantized().double().abs().t()) * 2 ** -7
-        if plain.q8_gemm is not None:  # the plain linear's GEMM quantizes these rows' inputs to int8
-            bound += cpu_int4_matmul.error_bound(x.float(), plain.codes_f32(), plain.q8.scale).double()
         assert ((kept(x).double() - plain(x).double()).abs() <= bound).all()
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from pdserve.quant.int4_codes import GROUP, Int4Codes
 from pdserve.quant.onednn_linear import ONEDNN_LINEAR, linear_packed, onednn_packed, onednn_packed_f32
 from pdserve.runtime.kernels import cpu_int4_matmul
-from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS, Q8_GEMM_BELOW_ROWS
+from pdserve.runtime.kernels.cpu_int4_matmul import AMX_BELOW_ROWS
 
 # From this many rows on (a prefill chunk), dequantizing the weight and running a dense matmul beats
 # the kernel, whose cost grows with every row (0.042 ms per row and SmolLM2 layer at 2 threads; two
@@ -126,12 +126,12 @@ class Int4Linear:
     AMX-BF16: bf16 calls of 5 to AMX_BELOW_ROWS - 1 rows run on it (the dense copy's weights, only the
     order of the fp32 sums differing), larger ones dense.
 
-    `q8_gemm` (the VNNI GEMM's copy, `cpu_int4_matmul.q8_gemm_panels`) replaces torch's packing on a CPU
-    with AVX512-VNNI and no AMX: in a forward, generated tokens' rows of 5 or more run on it (fewer on
-    the `q8` kernel: the same sums in another order), so a generated token's projections quantize their
-    inputs to int8 whatever its step holds, as steps of one to four sequences always did; prompt
-    tokens' rows stay dense (exact bf16 products) from `dense_from_rows` (a mixed step splits its
-    rows, as fp32's `token_kinds` does). Outside a forward, calls of 5 to Q8_GEMM_BELOW_ROWS - 1 rows."""
+    `q8_gemm` (the VNNI GEMM's copy, `cpu_int4_matmul.q8_gemm_panels`) comes with the dense copy on a CPU
+    with AVX512-VNNI and no AMX, and replaces torch's packing: in a forward, generated tokens' rows of 5
+    or more run on it (fewer on the `q8` kernel: the same sums in another order), so a generated token's
+    projections quantize their inputs to int8 whatever its step holds, as steps of one to four
+    sequences always did; prompt tokens' rows of 5 or more take the copy (exact bf16 products), and a
+    mixed step splits its rows, as fp32's `token_kinds` does. Rows of no told kind are prompt rows."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm")
@@ -146,15 +146,13 @@ class Int4Linear:
         amx = amx_runs(codes)
         few_rows = (dtype == torch.bfloat16 and p == 1 and codes.perm is None and not codes.exact_inputs
                     and cpu_int4_matmul.available())
-        gemm = few_rows and not amx and n % cpu_int4_matmul.Q8_GEMM_PANEL == 0 and cpu_int4_matmul.q8_gemm_available()
-        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours, the AMX kernel or the VNNI
-        # GEMM runs every call that is not dense).
-        self.packed = None if ours or amx or gemm else torch._convert_weight_to_int4pack_for_cpu(
-            codes.codes.to(torch.int32), 1)
+        # [N / B, K, B / 2] bytes: torch's kernel's packing (none where ours or the AMX kernel runs every
+        # call; dropped by keep_dense_copy where the VNNI GEMM takes its calls).
+        self.packed = None if ours or amx else torch._convert_weight_to_int4pack_for_cpu(codes.codes.to(torch.int32), 1)
         # [P K / 32, N, 2]: the kernel's layout of (scale, zero) per group and output row.
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         block = kernel_block_rows()
-        own = ours or amx or gemm or block is None or n % block
+        own = ours or amx or few_rows or block is None or n % block
         # [N, P K / 2] uint8, contiguous: the C kernel reads whole rows (codes may come as a transposed view)
         self.nibbles = _nibbles(codes.codes) if own else None
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
@@ -173,9 +171,9 @@ class Int4Linear:
         if p == 2 and not torch.equal(self.scale[:, :pk // 2 // GROUP], 16 * self.scale[:, pk // 2 // GROUP:]):
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
         self.q8 = self._q8_form(codes) if ours or few_rows else None
-        # The VNNI GEMM's copy of the codes (a code a byte) and of the Q8 form's scales (`q8_gemm_panels`):
-        # bf16 calls of 5 to Q8_GEMM_BELOW_ROWS - 1 rows (below the dense threshold: any count) run on it.
-        self.q8_gemm = cpu_int4_matmul.q8_gemm_panels(self.q8.nibbles, self.q8.scale, self.q8.mins) if gemm else None
+        # The VNNI GEMM's copy of the codes and of the Q8 form's scales (`q8_gemm_panels`), made with the
+        # dense copy (`keep_dense_copy`): bf16 rows of generated tokens, 5 or more a call, then run on it.
+        self.q8_gemm: cpu_int4_matmul.Q8GemmWeights | None = None
         # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above
         self.amx = cpu_int4_matmul.amx_codes(codes.codes) if amx else None
         # [N] fp32: the AMX kernel's bias, made here rather than per call (the Q8 form's where there is one)
@@ -222,13 +220,13 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
     def _bf16_by_kind(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bf16 with the VNNI GEMM: generated tokens' rows on the int8 sums (`_q8_or_dense`), prompt
-        tokens' rows dense from `dense_from_rows`. Outside a forward (no `token_kinds`): rows by count, fewer
-        than Q8_GEMM_BELOW_ROWS as generated ones."""
+        """x [M, K] bf16 with the VNNI GEMM: generated tokens' rows on the int8 sums, prompt tokens' rows
+        dense (`_q8_or_dense`). Rows of no told kind (outside a forward, or a forward that does not say:
+        teacher-forced logits) count as prompt rows."""
         m = x.shape[0]
         kinds = _generated_rows.get()
         if kinds is None or len(kinds.generated) + len(kinds.prompt) != m:
-            return self._q8_or_dense(x, m < Q8_GEMM_BELOW_ROWS)
+            return self._q8_or_dense(x, False)
         if len(kinds.prompt) == 0 or len(kinds.generated) == 0:
             return self._q8_or_dense(x, len(kinds.prompt) == 0)
         y = torch.empty((m, self.out_features), dtype=x.dtype)
@@ -237,13 +235,14 @@ class Int4Linear:
         return y
 
     def _q8_or_dense(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
-        """The int8 sums (few rows: the `q8` kernel; more: the GEMM) for generated tokens and for prompt
-        chunks below the dense threshold (no torch packing is kept beside the GEMM); dense otherwise."""
+        """The int8 sums for generated tokens (few rows: the `q8` kernel, as for any row below 5; more: the
+        GEMM); prompt chunks of 5 rows or more dense (the kept copy, else dequantized for the call: no
+        torch packing is kept beside the GEMM)."""
         m = x.shape[0]
         q8 = self.q8
         if m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
             y = cpu_int4_matmul.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias)
-        elif generated or m < self.dense_from_rows:
+        elif generated:
             y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, q8.bias)
         else:
             y = None
@@ -363,6 +362,16 @@ class Int4Linear:
             if packed is not None:
                 self.dense = packed
                 self.dense_from_rows = min(self.dense_from_rows, DENSE_PACKED_FROM_ROWS)
+            self._keep_q8_gemm()
+
+    def _keep_q8_gemm(self) -> None:
+        """With the dense copy, on a CPU with AVX512-VNNI and no AMX: the VNNI GEMM takes the generated
+        rows that took the copy or torch's kernel, and prompt rows the copy (`_bf16_by_kind`), so torch's
+        packing is dropped (SmolLM2: -53 MB, +80 MB for the GEMM's codes and scales)."""
+        if (self.q8 is not None and self.amx is None and self.out_features % cpu_int4_matmul.Q8_GEMM_PANEL == 0
+                and cpu_int4_matmul.q8_gemm_available()):
+            self.q8_gemm = cpu_int4_matmul.q8_gemm_panels(self.q8.nibbles, self.q8.scale, self.q8.mins)
+            self.packed = None
 
     @property
     def nbytes(self) -> int:

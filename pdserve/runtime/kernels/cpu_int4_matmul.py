@@ -143,9 +143,8 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
 # of 32, llama.cpp's Q4_1 x Q8_1), so a generated token's projections have the same arithmetic at every
 # batch size, where steps of 8 or more took the dense bf16 copy before. SmolLM2's 30 layers' projections
 # on a 2-core Zen 4 at one thread, weights from memory (one run): 39 ms against the packed dense copy's 58
-# at 32 rows, 17 against 25 at 8. Prompt rows keep the dense copy's exact bf16 products. Calls outside a
-# forward (no token kinds) of fewer rows than this count as generated rows.
-Q8_GEMM_BELOW_ROWS = 64
+# at 32 rows, 17 against 25 at 8 (`python benchmarks/q8_gemm_bench.py`). Prompt rows, and rows of no told
+# kind (int4_cpu.token_kinds), keep exact bf16 products.
 Q8_GEMM_PANEL = 16  # outputs a panel (int4_q8_gemm.c): n must be a multiple of it
 
 
