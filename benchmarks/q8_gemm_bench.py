@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from pdserve.quant.int4_cpu import _nibbles  # noqa: E402
 from pdserve.quant.onednn_linear import linear_packed, onednn_packed  # noqa: E402
 from pdserve.runtime.kernels import cpu_int4_matmul as kernel  # noqa: E402
 
@@ -37,8 +38,7 @@ def layers(gen: torch.Generator) -> tuple[list, list]:
             codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
             scale = torch.rand(n, k // 32, generator=gen) * 0.01
             mins = -8 * scale
-            nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-            gemm.append((k, kernel.q8_gemm_panels(nibbles, scale, mins)))
+            gemm.append((k, kernel.q8_gemm_panels(_nibbles(codes), scale, mins)))
             w = (codes.float().view(n, k // 32, 32) * scale[..., None] + mins[..., None]).view(n, k).bfloat16()
             packed = onednn_packed(w)
             dense.append((k, w if packed is None else packed))

@@ -153,7 +153,8 @@ class Int4Linear:
         self.scales_and_zeros = torch.stack([codes.scale.t(), codes.zero.t()], dim=-1).to(dtype).contiguous()
         block = kernel_block_rows()
         own = ours or amx or few_rows or block is None or n % block
-        # [N, P K / 2] uint8, contiguous: the C kernel reads whole rows (codes may come as a transposed view)
+        # [N, P K / 2] uint8, contiguous: the C kernel reads whole rows (codes may come as a transposed view);
+        # kept for bf16 `q8` too (shared with its form), as `_keep_q8_gemm` may drop torch's packing
         self.nibbles = _nibbles(codes.codes) if own else None
         self.scale = self.scales_and_zeros[..., 0].t()  # [N, P K / 32] views: the kernel's rounded values
         self.zero = self.scales_and_zeros[..., 1].t()
@@ -236,8 +237,7 @@ class Int4Linear:
 
     def _q8_or_dense(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
         """The int8 sums for generated tokens (few rows: the `q8` kernel, as for any row below 5; more: the
-        GEMM); prompt chunks of 5 rows or more dense (the kept copy, else dequantized for the call: no
-        torch packing is kept beside the GEMM)."""
+        GEMM); prompt chunks of 5 rows or more on the dense copy (the GEMM comes only with it)."""
         m = x.shape[0]
         q8 = self.q8
         if m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:

@@ -141,10 +141,9 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
 # Where the CPU has AVX512-VNNI and no AMX, bf16 rows of generated tokens (5 or more a call) run on the
 # VNNI GEMM (`matmul_q8_gemm`, Int4Linear): the sums of `matmul_bf16` (inputs quantized to int8 per group
 # of 32, llama.cpp's Q4_1 x Q8_1), so a generated token's projections have the same arithmetic at every
-# batch size, where steps of 8 or more took the dense bf16 copy before. SmolLM2's 30 layers' projections
-# on a 2-core Zen 4 at one thread, weights from memory (one run): 39 ms against the packed dense copy's 58
-# at 32 rows, 17 against 25 at 8 (`python benchmarks/q8_gemm_bench.py`). Prompt rows, and rows of no told
-# kind (int4_cpu.token_kinds), keep exact bf16 products.
+# batch size, where steps of 8 or more took the dense bf16 copy before (the figures: int4_q8_gemm.c,
+# `python benchmarks/q8_gemm_bench.py`). Prompt rows, and rows of no told kind (int4_cpu.token_kinds),
+# keep exact bf16 products.
 Q8_GEMM_PANEL = 16  # outputs a panel (int4_q8_gemm.c): n must be a multiple of it
 
 

@@ -13,6 +13,12 @@ static inline float f32_of(uint16_t b) {
     return f;
 }
 
+// bf16 rows [m, k] (row stride x_stride) -> fp32 rows [m, k], contiguous.
+static inline void bf16_rows_to_f32(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, float* out) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) out[r * k + i] = f32_of(x[r * x_stride + i]);
+}
+
 static inline uint16_t bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);

@@ -43,39 +43,6 @@
 #define INPUT_TILE 4
 #endif
 
-#define QMAX 127.0f
-
-// Inputs [M, K] -> xq [M, K] int8 (each group's even inputs, then its odd ones; in input order where
-// `in_order`, for 8-bit codes), xd and xsum [M, K / 32].
-static void q8_quantize_groups(const float* x, int64_t m, int64_t k, int64_t x_stride, int8_t* xq, float* xd,
-                               float* xsum, int64_t in_order) {
-    const int64_t groups = k / GROUP;
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float* v = x + r * x_stride + g * GROUP;
-            float amax = 0.0f, sum = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-                sum += v[i];
-            }
-            const float d = amax / QMAX;
-            const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t* out = xq + r * k + g * GROUP;
-            if (in_order) {
-                for (int i = 0; i < GROUP; i++) out[i] = (int8_t)(int32_t)rintf(v[i] * inv);
-            } else {
-                for (int i = 0; i < GROUP / 2; i++) {
-                    out[i] = (int8_t)(int32_t)rintf(v[2 * i] * inv);
-                    out[GROUP / 2 + i] = (int8_t)(int32_t)rintf(v[2 * i + 1] * inv);
-                }
-            }
-            xd[r * groups + g] = d;
-            xsum[r * groups + g] = sum;
-        }
-    }
-}
-
 // sum_g a[g] * b[g] over `groups` values.
 static inline float dot_f32(const float* a, const float* b, int64_t groups) {
     float s = 0.0f;
@@ -283,14 +250,10 @@ static void matmul_rows(const uint8_t* codes, const float* scale, const float* m
 static int linear_q8(const float* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes, const float* scale,
                      const float* mins, const float* bias, int64_t n0, int64_t n1, float* y, int64_t y_stride,
                      int bits) {
-    const int64_t groups = k / GROUP;
-    int8_t* xq = malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * groups));
-    if (xq == NULL) return -1;
-    float* xd = (float*)(xq + m * k);  // m * k is a multiple of 32: aligned for floats
-    float* xsum = xd + m * groups;
-    q8_quantize_groups(x, m, k, x_stride, xq, xd, xsum, bits == 8);
-    matmul_rows(codes, scale, mins, n0, n1, k, xq, xd, xsum, m, y, y_stride, bits);
-    free(xq);
+    const Q8Inputs q = q8_inputs(x, m, k, x_stride, bits == 8);
+    if (q.xq == NULL) return -1;
+    matmul_rows(codes, scale, mins, n0, n1, k, q.xq, q.xd, q.xsum, m, y, y_stride, bits);
+    free(q.xq);
     if (bias != NULL)
         for (int64_t r = 0; r < m; r++)
             for (int64_t n = n0; n < n1; n++) y[r * y_stride + n] += bias[n];
@@ -316,8 +279,7 @@ int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
     float* xf = malloc(sizeof(float) * (size_t)(m * k + m * n1));
     if (xf == NULL) return -1;
     float* yf = xf + m * k;  // [m, n1]: columns [n0, n1) written
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = f32_of(x[r * x_stride + i]);
+    bf16_rows_to_f32(x, m, k, x_stride, xf);
     const int err = linear_q8(xf, m, k, k, codes, scale, mins, bias, n0, n1, yf, n1, 4);
     for (int64_t r = 0; r < m && !err; r++)
         for (int64_t n = n0; n < n1; n++) y[r * y_stride + n] = bf16_round(yf[r * n1 + n]);

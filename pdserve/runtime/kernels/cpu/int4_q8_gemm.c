@@ -12,9 +12,9 @@
 //
 //   y[m, n] = sum_g scale[n, g] * xd[m, g] * sum_{k in g} q[n, k] xq[m, k] + mins[n, g] * xsum[m, g]
 //
-// with xq, xd, xsum the inputs' int8 quantization per group of 32 as int4_matmul.c makes it (xd =
-// max |x| / 127, codes rounded half to even, xsum the exact fp32 sum): the same numbers as
-// int4_linear_bf16, summed in another order (outputs agree to fp32 rounding).
+// with xq, xd, xsum the inputs' int8 quantization per group of 32, int4_matmul.c's (`q8_inputs`,
+// int4_common.h: xd = max |x| / 127, codes rounded half to even, xsum the exact fp32 sum): the same
+// numbers as int4_linear_bf16, summed in another order (outputs agree to fp32 rounding).
 //
 // Layouts (cpu_int4_matmul.q8_gemm_panels): codes [N / 16, K / 8, 16, 4] uint8, two codes a byte:
 // byte i of lane l of block j of panel b holds output 16 b + l's input 8 j + i (low nibble) and
@@ -22,38 +22,13 @@
 // the bytes of a code a byte: 39 -> 32 ms for SmolLM2's 30 layers at 32 rows, weights from memory);
 // scale and mins [N / 16, K / 32, 16] fp32.
 #include "bf16.h"
+#include "int4_common.h"
 #include "threads.h"
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
 
-#define GROUP 32
 #define ROWS 4  // input rows a tile takes: ROWS x 2 x 2 accumulators beside the codes
-#define QMAX 127.0f
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
-
-// bf16 rows [m, k] -> xq [m, k] int8 in input order, xd and xsum [m, k / 32] (int4_matmul.c's rounding).
-static void quantize_rows(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int8_t* xq, float* xd,
-                          float* xsum) {
-    const int64_t groups = k / GROUP;
-    for (int64_t r = 0; r < m; r++) {
-        for (int64_t g = 0; g < groups; g++) {
-            float v[GROUP], amax = 0.0f, sum = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                v[i] = f32_of(x[r * x_stride + g * GROUP + i]);
-                const float a = fabsf(v[i]);
-                amax = a > amax ? a : amax;
-                sum += v[i];
-            }
-            const float d = amax / QMAX, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            for (int i = 0; i < GROUP; i++) xq[r * k + g * GROUP + i] = (int8_t)(int32_t)rintf(v[i] * inv);
-            xd[r * groups + g] = d;
-            xsum[r * groups + g] = sum;
-        }
-    }
-}
 
 // y for rows [r, r + NR) and outputs of panels [b, b + NB) (16 each), rounded to bf16 with bias.
 static inline __attribute__((always_inline)) void tile(const uint8_t* codes, const float* scale, const float* mins,
@@ -114,16 +89,19 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
         default: TILE(1, NB); break;                  \
     }
 
-// Outputs [n0, n1) (multiples of 16) of every row: the rows quantized into this call's own scratch.
+// Outputs [n0, n1) (multiples of 16) of every row: the rows widened to fp32 (exact) and quantized, as
+// int4_linear_bf16 does, into this call's own scratch.
 static int gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride) {
-    const int64_t groups = k / GROUP;
-    int8_t* xq = malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * groups));
-    if (xq == NULL) return -1;
-    float* xd = (float*)(xq + m * k);  // m * k is a multiple of 32: aligned for floats
-    float* xsum = xd + m * groups;
-    quantize_rows(x, m, k, x_stride, xq, xd, xsum);
+    float* xf = malloc(sizeof(float) * (size_t)(m * k));
+    if (xf == NULL) return -1;
+    bf16_rows_to_f32(x, m, k, x_stride, xf);
+    const Q8Inputs q = q8_inputs(xf, m, k, k, 1);
+    free(xf);
+    if (q.xq == NULL) return -1;
+    const int8_t* xq = q.xq;
+    const float *xd = q.xd, *xsum = q.xsum;
     for (int64_t b = n0 / 16; b < n1 / 16; b += 2) {
         const int nb = b + 2 <= n1 / 16 ? 2 : 1;
         for (int64_t r = 0; r < m; r += ROWS) {
@@ -135,7 +113,7 @@ static int gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
             }
         }
     }
-    free(xq);
+    free(q.xq);
     return 0;
 }
 
