@@ -39,8 +39,9 @@ static inline float head_scale(const int8_t* run, int64_t block_size, int64_t ro
     return s;
 }
 
+// Into L2 (hint 2), as paged_attention.c's prefetch_next: 32 x 336 from memory, 0.88 -> 0.65-0.80 ms a layer.
 static inline void prefetch_run(const int8_t* run, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)run + i);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char*)run + i, 0, 2);
 }
 
 // n rows of `width` codes (row stride `row`) -> bf16 [n, width], exact (widths a multiple of 32).
