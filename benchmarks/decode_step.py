@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/decode_step.py [--model GGUF] [--dtype bfloat16] [--kv-dtype int8] [--formats int4,dense]
            [--batches 1,8,32] [--steps 20] [--threads 2] [--prompt-len 32] [--huge-pages on|off]
+           [--dense-copy on|off]
 
 A format with the suffix `-eager` (e.g. `int4-eager`) runs that format's decode steps layer by layer
 from Python, never the one-call C step (kernels.cpu_decode_step, which 4-bit fp32 models take).
@@ -79,6 +80,9 @@ def main() -> int:
     p.add_argument("--kv-dtype", default=None, help="KV cache format (default: --dtype; int8 / fp8_e4m3: scaled)")
     p.add_argument("--huge-pages", choices=["on", "off"], default="on",
                    help="the loaded weights on 2 MB pages, as a worker's default (runtime.huge_pages)")
+    p.add_argument("--dense-copy", choices=["on", "off"], default="on",
+                   help="packed projections keep a dense copy, as a worker's default (--dense-copy auto); with it"
+                        " a CPU with AVX512-VNNI and no AMX runs bf16 batches of 5 or more on the VNNI GEMM")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     checkpoint = load_checkpoint(resolve_model_path(args.model), dtype=getattr(torch, args.dtype))
@@ -90,14 +94,15 @@ def main() -> int:
         config = EngineConfig(cache=CacheConfig(num_blocks=blocks_per_seq * max(batches) + 64,
                                                 dtype=args.kv_dtype or args.dtype),
                               scheduler=SchedulerConfig(max_num_seqs=max(batches)), dtype=args.dtype,
-                              weight_format=fmt.removesuffix("-eager"), huge_pages=args.huge_pages == "on")
+                              weight_format=fmt.removesuffix("-eager"), huge_pages=args.huge_pages == "on",
+                              dense_copy=args.dense_copy == "on")
         engine = Engine.from_checkpoint(checkpoint, config)
         if fmt.endswith("-eager"):
             engine.runner.model.run_decode_steps_eagerly()
         results[fmt] = {b: step_ms(engine, b, args.steps, args.prompt_len) for b in batches}
     print(json.dumps({"model": str(checkpoint.source.name), "dtype": args.dtype,
                       "kv_dtype": args.kv_dtype or args.dtype, "threads": args.threads,
-                      "prompt_len": args.prompt_len, "huge_pages": args.huge_pages,
+                      "prompt_len": args.prompt_len, "huge_pages": args.huge_pages, "dense_copy": args.dense_copy,
                       "step_ms": results}))
     base = list(results)[-1]
     print(f"{'format':10} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'vs ' + base:>12}")

@@ -32,9 +32,11 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _int4_engine(checkpoint, dtype: str = "float32", weight_format: str = "int4", kv_dtype: str = "") -> Engine:
+def _int4_engine(checkpoint, dtype: str = "float32", weight_format: str = "int4", kv_dtype: str = "",
+                 dense_copy: bool = False) -> Engine:
     cache = CacheConfig(num_blocks=96, dtype=kv_dtype or dtype)
-    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=cache, dtype=dtype, weight_format=weight_format))
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=cache, dtype=dtype, weight_format=weight_format,
+                                                             dense_copy=dense_copy))
     engine.keep_logits = True
     return engine
 
@@ -201,6 +203,30 @@ def test_a_bf16_step_of_five_sequences_runs_eagerly_unless_the_cpu_has_amx(smoll
     prompts = [smollm2_bf16.tokenizer.encode(f"Count to {i}.") for i in range(5)]
     trace = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16"), prompts, 3, monkeypatch, one_call=True)
     assert trace["c_steps"] == (2 if cpu_int4_matmul.amx_available() else 0)  # the steps after the prompts
+
+
+@pytest.mark.parametrize("batch,threads,arrive_every", [(6, 1, 0), (17, 2, 0), (7, 1, 3)])
+def test_a_bf16_step_of_more_sequences_runs_in_c_on_the_vnni_gemm_with_the_eager_bits(
+        smollm2_bf16, batch, threads, arrive_every, monkeypatch):
+    """A worker's engine (the dense copy) on a CPU with AVX512-VNNI and no AMX keeps the VNNI GEMM's copy
+    of each projection: decode steps of any size run in C, those of 5 or more sequences on the GEMM as the
+    eager step's (split over two threads by pairs of 16-output panels, one part a thread: each part
+    quantizes the inputs, as each thread of the eager call does). Prompts arriving every 3 steps share
+    steps with decodes: the decode rows run in C (the GEMM from 5 of them), the prompt's eagerly on
+    the dense copy. Elsewhere (AMX, or no VNNI) there is no GEMM's copy and the plan says so."""
+    prompts = [smollm2_bf16.tokenizer.encode(f"Tell me about the sea, number {i}." + " And the ships." * (i % 4))
+               for i in range(batch)]
+    with torch_threads(threads):
+        engine = _int4_engine(smollm2_bf16, "bfloat16", dense_copy=True)
+        one_call = _decode_trace(engine, prompts, 8, monkeypatch, one_call=True, arrive_every=arrive_every)
+        eager = _decode_trace(_int4_engine(smollm2_bf16, "bfloat16", dense_copy=True), prompts, 8, monkeypatch,
+                              one_call=False, arrive_every=arrive_every)
+    _assert_same_bits(one_call, eager)
+    gemm = cpu_int4_matmul.q8_gemm_available() and not cpu_int4_matmul.amx_available()
+    assert engine.runner.model.one_call_decode_step().q8_gemm == gemm
+    if gemm:  # every step but the first prompt's alone
+        assert one_call["c_steps"] == len(one_call["hidden"]) - 1 and eager["c_steps"] == 0
+        assert one_call["mixed_steps"] == (batch - 1 if arrive_every else 0)
 
 
 @pytest.mark.parametrize("batch", [3, 9])

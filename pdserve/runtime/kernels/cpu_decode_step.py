@@ -13,8 +13,11 @@ tensor parallelism, shapes past the attention's buffers. The cache is in the act
 holds INT8 codes (`--kv-dtype int8`: written by kv_write.c and read by paged_attention*.c, the eager
 step's functions for it). fp32 models run every decode-only step of generated tokens here; bf16 ones
 those of fewer than BF16_Q8_BELOW_ROWS sequences, whose projections the eager step also runs on our
-kernel (larger ones take torch's matmuls), and on a CPU with AMX-BF16 those of fewer than
-AMX_BELOW_ROWS, whose projections the eager step runs on the AMX kernel (int4_amx.c) and SiLU in C.
+kernel (larger ones take torch's matmuls), on a CPU with AMX-BF16 those of fewer than
+AMX_BELOW_ROWS, whose projections the eager step runs on the AMX kernel (int4_amx.c) and SiLU in C,
+and on a CPU with AVX512-VNNI and no AMX, where the projections keep the VNNI GEMM's copy
+(`Int4Linear.q8_gemm`: a worker's dense copy brings it), every step of generated tokens, whose
+projections of BF16_Q8_BELOW_ROWS rows or more the eager step runs on that GEMM (int4_q8_gemm.c).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ class StepThreads:
 
 class _Int4Weights(ctypes.Structure):
     _fields_ = [("codes", _P), ("scale", _P), ("mins", _P), ("bias", _P), ("out_features", _I), ("in_features", _I),
-                ("exact", _I), ("amx_codes", _P), ("amx_scale_zero", _P)]
+                ("exact", _I), ("amx_codes", _P), ("amx_scale_zero", _P), ("gemm_codes", _P), ("gemm_scale", _P),
+                ("gemm_mins", _P)]
 
 
 class _LayerWeights(ctypes.Structure):
@@ -85,7 +89,7 @@ class _DecodeStep(ctypes.Structure):
                 ("cos", _P), ("sin", _P), ("max_positions", _I), ("positions", _P), ("slots", _P), ("cache", _P),
                 ("cache_blocks", _I), ("cache_layers", _I), ("block_size", _I), ("block_tables", _P), ("max_blocks", _I),
                 ("context_lens", _P), ("final_norm", _P), ("bf16", _I), ("amx_from_rows", _I),
-                ("kv_int8", _I)]
+                ("kv_int8", _I), ("q8_gemm_from_rows", _I)]
 
 
 def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
@@ -97,8 +101,10 @@ def _int4_weights(linear, dtype: torch.dtype) -> _Int4Weights | None:
     q8 = linear.q8
     bias = 0 if q8.bias is None else q8.bias.data_ptr()
     amx = (0, 0) if linear.amx is None else (linear.amx.data_ptr(), linear.scales_and_zeros.data_ptr())
+    gemm = (0, 0, 0) if linear.q8_gemm is None else (
+        linear.q8_gemm.codes.data_ptr(), linear.q8_gemm.scale.data_ptr(), linear.q8_gemm.mins.data_ptr())
     return _Int4Weights(q8.nibbles.data_ptr(), q8.scale.data_ptr(), q8.mins.data_ptr(), bias,
-                        linear.out_features, linear.in_features, int(q8.exact), *amx)
+                        linear.out_features, linear.in_features, int(q8.exact), *amx, *gemm)
 
 
 def _norm_ptr(weight: torch.Tensor, dtype: torch.dtype) -> int | None:
@@ -118,6 +124,9 @@ class DecodeStepPlan:
     # bf16: every projection has the AMX kernel's codes (Int4Linear.amx), so steps of BF16_Q8_BELOW_ROWS
     # to AMX_BELOW_ROWS - 1 sequences run here too, their projections on it as the eager step's do
     amx: bool = False
+    # bf16: every projection has the VNNI GEMM's copy (Int4Linear.q8_gemm), so steps of generated tokens
+    # of any size run here, those of BF16_Q8_BELOW_ROWS or more on the GEMM as the eager step's do
+    q8_gemm: bool = False
 
     @classmethod
     def of(cls, model) -> DecodeStepPlan | None:
@@ -145,21 +154,26 @@ class DecodeStepPlan:
             if shapes != [(width, d), (d, c.num_heads * c.head_dim), (2 * inter, d), (d, inter)]:
                 return None
             layers[i] = _LayerWeights(*norms, *weights)
-        amx = all(w.amx_codes for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        return cls(model, tuple(model.layers), layers, dtype, StepThreads(getattr(model, "step_threads", 0)), amx)
+        projections = [w for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        amx, q8_gemm = all(w.amx_codes for w in projections), all(w.gemm_codes for w in projections)
+        return cls(model, tuple(model.layers), layers, dtype, StepThreads(getattr(model, "step_threads", 0)), amx,
+                   q8_gemm)
 
     def applies(self, hidden: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool:
         """Whether the step of `meta` runs here: decode tokens only, activations of the plan's dtype and a
         cache of it or of INT8 codes, the layers it planned; in fp32 each token generated (a prompt's last token run as
-        a decode takes the dense matmul: `int4_cpu.token_kinds`), in bf16 fewer than BF16_Q8_BELOW_ROWS."""
+        a decode takes the dense matmul: `int4_cpu.token_kinds`), in bf16 fewer than BF16_Q8_BELOW_ROWS, or
+        each token generated where the projections have the VNNI GEMM's copy (`q8_gemm`)."""
         if (meta.prefills or meta.num_decode_tokens != hidden.shape[0] or kv_cache.dtype not in (self.dtype, torch.int8)
                 or hidden.dtype != self.dtype or not kv_cache.is_contiguous()
                 or len(self.model.layers) != len(self.planned)
                 or not all(a is b for a, b in zip(self.model.layers, self.planned))):  # none replaced since
             return False
+        generated = meta.generated_rows is not None and bool(meta.generated_rows.all())
         if self.dtype == torch.bfloat16:
-            return hidden.shape[0] < (AMX_BELOW_ROWS if self.amx else BF16_Q8_BELOW_ROWS)
-        return meta.generated_rows is not None and bool(meta.generated_rows.all())
+            few = hidden.shape[0] < (AMX_BELOW_ROWS if self.amx else BF16_Q8_BELOW_ROWS)
+            return few or (self.q8_gemm and generated)
+        return generated
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             kv_cache: torch.Tensor) -> torch.Tensor:
@@ -177,13 +191,13 @@ class DecodeStepPlan:
                            kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], block_size_of(kv_cache),
                            tables.data_ptr(), tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
                            int(self.dtype == torch.bfloat16), BF16_Q8_BELOW_ROWS if self.amx else 0,
-                           int(kv_cache.dtype == torch.int8))
+                           int(kv_cache.dtype == torch.int8), BF16_Q8_BELOW_ROWS if self.q8_gemm else 0)
         loaded = ctypes.c_int64(0)
         err = cpu_attention.library().decode_step(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), self.threads.next(), ctypes.byref(loaded))
         self.threads.after(bool(loaded.value))
         if err == 1:
-            raise MemoryError(f"no scratch for a decode step of {hidden.shape[0]} sequences")
+            raise MemoryError(f"no memory for a decode step of {hidden.shape[0]} sequences")
         if err == 2:
             raise IndexError(f"a position past the RoPE tables ({ctx.cos.shape[0]} positions)")
         if err == 4:

@@ -83,6 +83,9 @@ int int4_linear_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
 int int4_amx_linear_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                          const uint16_t* scale_zero, const float* bias, int64_t n, int64_t n0, int64_t n1,
                          uint16_t* y, int64_t y_stride);
+int int4_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
+                      int64_t y_stride);
 
 // One projection: w[n, k] = q[n, k] * scale[n, k / 32] + mins[n, k / 32] (+ bias[n]; NULL: none).
 typedef struct {
@@ -94,6 +97,9 @@ typedef struct {
     int64_t exact;  // fp32 steps: 1 the inputs as they are (int4_linear_exact_f32), 0 quantized to int8
     const uint8_t* amx_codes;        // bf16 steps of DecodeStep.amx_from_rows rows or more: int4_amx.c's
     const uint16_t* amx_scale_zero;  // layout of the same codes and their [in / 32, out, 2] bf16 scales; or NULL
+    const uint8_t* gemm_codes;  // bf16 steps of DecodeStep.q8_gemm_from_rows rows or more: int4_q8_gemm.c's
+    const float* gemm_scale;    // layout of the same codes, scales and mins (cpu_int4_matmul.q8_gemm_panels);
+    const float* gemm_mins;     // or NULL
 } Int4Weights;
 
 typedef struct {
@@ -119,6 +125,7 @@ typedef struct {
     int64_t bf16;                 // activations, norms and cache: 1 bf16, 0 fp32
     int64_t amx_from_rows;        // bf16 steps of this many rows or more: projections on AMX (0: never)
     int64_t kv_int8;              // 1: the cache holds INT8 codes and a scale row a run, 0: the activations' dtype
+    int64_t q8_gemm_from_rows;    // bf16 steps of this many rows or more: projections on the VNNI GEMM (0: never)
 } DecodeStep;
 
 // Rows of a (block, layer, k/v) run: the block's tokens, and an INT8 cache's scale row.
@@ -135,7 +142,7 @@ typedef struct {
     float* scores;
     atomic_llong* next;  // [num_layers * PHASES + 1]
     int64_t es;
-    atomic_int write_failed;  // an INT8 KV write found no memory (kv_write.c's 3): the step fails
+    atomic_int no_memory;  // an INT8 KV write (kv_write.c's 3) or a GEMM found no memory: the step fails
 } Scratch;
 
 #define AT(buf, i) ((buf) + (i) * b->es)  // element i of an activation buffer of Scratch b
@@ -163,7 +170,7 @@ static char* scratch_alloc(const DecodeStep* s, Scratch* b) {
     b->next = (atomic_llong*)(p + (sizes[10] + 63) / 64 * 64);
     for (int64_t i = 0; i < counters; i++) atomic_init(&b->next[i], 0);
     b->es = es;
-    atomic_init(&b->write_failed, 0);
+    atomic_init(&b->no_memory, 0);
     return base;
 }
 
@@ -352,19 +359,26 @@ static void write_kv_rows(const DecodeStep* s, Scratch* b, int64_t l, int64_t r0
     int (*write)(KV_WRITE_INT8_ARGS) = s->bf16 ? kv_write_int8_bf16 : kv_write_int8_f32;
     if (write((int8_t*)s->cache, k, v, row, width, s->slots + r0, n, s->cache_blocks, KVH, hd, s->block_size,
               block_stride, l * 2 * rows * row))  // shapes and slots checked before: only no memory is left
-        atomic_store(&b->write_failed, 1);
+        atomic_store(&b->no_memory, 1);
 }
 
-// Whether a projection of m rows runs on the AMX kernel (the eager step's kernel for the same row
-// count, Int4Linear.__call__), else on the Q8 kernel.
+// Whether a projection of m rows runs on the AMX kernel, or on the VNNI GEMM (the eager step's kernels
+// for the same row count, Int4Linear.__call__), else on the Q8 kernel.
 static int runs_amx(const DecodeStep* s, const Int4Weights* w, int64_t m) {
     return s->bf16 && w->amx_codes != NULL && s->amx_from_rows > 0 && m >= s->amx_from_rows;
 }
 
+static int runs_q8_gemm(const DecodeStep* s, const Int4Weights* w, int64_t m) {
+    return s->bf16 && w->gemm_codes != NULL && s->q8_gemm_from_rows > 0 && m >= s->q8_gemm_from_rows;
+}
+
 // Output rows [n0, n1) of a projection (aligned to the kernel's 2-row tiles, or the AMX kernel's
-// 32-row panels).
-static void linear_rows(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int64_t n0,
-                        int64_t n1) {
+// 32-row panels, or the GEMM's pairs of 16-output panels). 0, or -1 where the GEMM had no memory.
+static int linear_rows(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y, int64_t n0,
+                       int64_t n1) {
+    if (runs_q8_gemm(s, w, m))
+        return int4_q8_gemm_part((const uint16_t*)x, m, w->in_features, w->in_features, w->gemm_codes,
+                                 w->gemm_scale, w->gemm_mins, w->bias, n0, n1, (uint16_t*)y, w->out_features);
     if (runs_amx(s, w, m))
         int4_amx_linear_part((const uint16_t*)x, m, w->in_features, w->in_features, w->amx_codes, w->amx_scale_zero,
                              w->bias, w->out_features, n0, n1, (uint16_t*)y, w->out_features);
@@ -375,14 +389,17 @@ static void linear_rows(const DecodeStep* s, const Int4Weights* w, const char* x
         (w->exact ? int4_linear_exact_f32 : int4_linear_f32)((const float*)x, m, w->in_features, w->in_features,
                                                              w->codes, w->scale, w->mins, w->bias, n0, n1, (float*)y,
                                                              w->out_features);
+    return 0;
 }
 
-// A projection's output rows, as member `me` takes them.
+// A projection's output rows, as member `me` takes them. The GEMM in one chunk a member: each call
+// quantizes all of its m input rows (as each thread's part of the eager call does).
 static void linear_items(const DecodeStep* s, const Int4Weights* w, const char* x, int64_t m, char* y,
-                         const Member* me, atomic_llong* next) {
+                         const Member* me, atomic_llong* next, Scratch* b) {
+    const int gemm = runs_q8_gemm(s, w, m);
     int64_t n0, n1;
-    FOR_ITEMS(me, next, CHUNKS_PER_MEMBER, w->out_features, runs_amx(s, w, m) ? 32 : 2, n0, n1)
-        linear_rows(s, w, x, m, y, n0, n1);
+    FOR_ITEMS(me, next, gemm ? 1 : CHUNKS_PER_MEMBER, w->out_features, gemm || runs_amx(s, w, m) ? 32 : 2, n0, n1)
+        if (linear_rows(s, w, x, m, y, n0, n1)) atomic_store(&b->no_memory, 1);
 }
 
 // Layer l on member `me`: its input is the previous layer's MLP output b->down and the residual
@@ -403,7 +420,7 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
                       AT(b->residual, r0 * D));
     }
     barrier_wait(bar);
-    linear_items(s, &w->qkv, b->normed, B, b->qkv, me, next + QKV);
+    linear_items(s, &w->qkv, b->normed, B, b->qkv, me, next + QKV, b);
     barrier_wait(bar);
     FOR_ITEMS(me, next + ROPE_KV, 2, B, 1, r0, r1) {  // positions checked before the step: RoPE cannot fail
         const int64_t n = r1 - r0;
@@ -415,17 +432,17 @@ static void layer_step(const DecodeStep* s, const LayerWeights* w, int64_t l, Sc
     FOR_ITEMS(me, next + ATTENTION, CHUNKS_PER_MEMBER, B * KVH, 1, r0, r1)  // shapes checked before the step
         attention_units(s, b, l, r0, r1);
     barrier_wait(bar);
-    linear_items(s, &w->o, b->attn, B, b->o, me, next + O_PROJ);
+    linear_items(s, &w->o, b->attn, B, b->o, me, next + O_PROJ, b);
     barrier_wait(bar);
     FOR_ITEMS(me, next + POST_NORM, 2, B, 1, r0, r1)
         norm_rows(s, AT(b->o, r0 * D), AT(b->residual, r0 * D), w->post_norm, r1 - r0, AT(b->normed, r0 * D),
                   AT(b->residual, r0 * D));
     barrier_wait(bar);
-    linear_items(s, &w->gate_up, b->normed, B, b->gate_up, me, next + GATE_UP);
+    linear_items(s, &w->gate_up, b->normed, B, b->gate_up, me, next + GATE_UP, b);
     barrier_wait(bar);
     FOR_ITEMS(me, next + SILU, 2, B, 1, r0, r1) silu_rows(s, AT(b->gate_up, r0 * 2 * I), r1 - r0, AT(b->act, r0 * I));
     barrier_wait(bar);
-    linear_items(s, &w->down, b->act, B, b->down, me, next + DOWN);
+    linear_items(s, &w->down, b->act, B, b->down, me, next + DOWN, b);
     barrier_wait(bar);
 }
 
@@ -448,8 +465,8 @@ static void run_member(Team* t, int id) {
 // embeddings [B, D] -> out [B, D]: the final norm of the last layer's output, on `threads` threads
 // of the calling thread's OpenMP team (fewer where OpenMP gives fewer). Returns 0; 1 where the
 // scratch cannot be had, 2 for a position past the RoPE tables, 3 for a shape the attention does not
-// take, 4 for a KV slot past the cache (nothing written then); 1 too where an INT8 KV write found no
-// memory (that layer's rows unwritten: the step's output is not to be used). `loaded`: 1 when its
+// take, 4 for a KV slot past the cache (nothing written then); 1 too where an INT8 KV write or a GEMM
+// found no memory (that layer's rows unwritten: the step's output is not to be used). `loaded`: 1 when its
 // members slept at the barriers through more than 1 / LOADED_SLEEP_SHARE of it (another process had
 // the cores), else 0.
 int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* embeddings, void* out, int64_t threads,
@@ -480,7 +497,7 @@ int decode_step(const DecodeStep* s, const LayerWeights* layers, const void* emb
     }
     const int64_t others_ns = (now_ns() - start) * (t.barrier.size - 1);  // the time of all but one member
     *loaded = LOADED_SLEEP_SHARE * (int64_t)atomic_load(&t.barrier.slept_ns) > others_ns && others_ns > 0;
-    const int write_failed = atomic_load(&t.b.write_failed);
+    const int no_memory = atomic_load(&t.b.no_memory);
     free(base);
-    return write_failed ? 1 : 0;
+    return no_memory ? 1 : 0;
 }

@@ -90,8 +90,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
     }
 
 // Outputs [n0, n1) (multiples of 16) of every row: the rows widened to fp32 (exact) and quantized, as
-// int4_linear_bf16 does, into this call's own scratch.
-static int gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+// int4_linear_bf16 does, into this call's own scratch. Also the one-call decode step's (decode_step.c).
+int int4_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride) {
     float* xf = malloc(sizeof(float) * (size_t)(m * k));
@@ -124,10 +124,16 @@ int int4_q8_gemm_available(void) { return 1; }
 int int4_q8_gemm_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                               const float* scale, const float* mins, const float* bias, int64_t n, uint16_t* y,
                               int64_t y_stride, int64_t threads) {
-    LINEAR_THREADS_ALIGNED(32, gemm_part(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride))
+    LINEAR_THREADS_ALIGNED(32, int4_q8_gemm_part(x, m, k, x_stride, codes, scale, mins, bias, n0, n1, y, y_stride))
 }
 #else
 int int4_q8_gemm_available(void) { return 0; }
+
+int int4_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
+                      int64_t y_stride) {
+    return -2;
+}
 
 int int4_q8_gemm_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                               const float* scale, const float* mins, const float* bias, int64_t n, uint16_t* y,
