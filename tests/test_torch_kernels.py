@@ -80,7 +80,9 @@ def test_paged_decode_attention_matches_dense(heads: int, kv_heads: int, block_s
 
 @pytest.mark.parametrize(("n", "ctx"), [(1, 1), (5, 5), (11, 37), (16, 16), (3, 64)])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_prefill_attention_with_cached_prefix(n: int, ctx: int, heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("attend", [torch_ops.prefill_attention, torch_ops.prefill_attention_torch],
+                         ids=["c-where-built", "torch"])
+def test_prefill_attention_with_cached_prefix(n: int, ctx: int, heads: int, kv_heads: int, attend) -> None:
     gen = torch.Generator().manual_seed(1)
     d, bs, layer = 32, 8, 0
     cache = _cache(32, 2, bs, kv_heads, d, gen)
@@ -88,7 +90,7 @@ def test_prefill_attention_with_cached_prefix(n: int, ctx: int, heads: int, kv_h
     # A longer table than needed: the reference must only read ceil(ctx / bs) blocks.
     table = torch.cat([table, torch.zeros(2, dtype=torch.int64)])
     q = torch.randn(n, heads, d, generator=gen)
-    out = torch_ops.prefill_attention(q, cache, layer, table, ctx, 0.2)
+    out = attend(q, cache, layer, table, ctx, 0.2)
     k, v = _dense_kv(cache, layer, table.tolist(), ctx)
     want = dense_attention(q, k, v, torch.arange(ctx - n, ctx), 0.2)
     torch.testing.assert_close(out, want, atol=ATOL, rtol=RTOL)
@@ -103,7 +105,7 @@ def test_prefill_attention_without_prefix_gives_the_masked_calls_bits(n: int) ->
     cache = _cache(32, 1, bs, kv_heads, d, gen).bfloat16()
     table = _scattered_tables([n], bs, 32, gen)[0]
     q = torch.randn(n, heads, d, generator=gen).bfloat16()
-    out = torch_ops.prefill_attention(q, cache, 0, table, n, 0.125)
+    out = torch_ops.prefill_attention_torch(q, cache, 0, table, n, 0.125)
     k, v = (x.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0) for x in _dense_kv(cache, 0, table.tolist(), n))
     mask = torch.zeros(n, n, dtype=torch.bfloat16).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     masked = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],

@@ -168,11 +168,25 @@ def prefill_attention(
     context_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of one sequence's new tokens over its cached prefix plus themselves.
+    """Causal attention of one sequence's new tokens over its cached prefix plus themselves: the cache
+    read in place by the C kernel (kernels.cpu_attention) where it applies, else `prefill_attention_torch`.
 
     q: [n, H, D] are the last n positions of a context of `context_len` tokens whose keys
     and values are already written into the blocks of `block_table` ([MB]) -> out [n, H, D].
     """
+    out = cpu_attention.paged_prefill_attention(q, kv_cache, layer, block_table, context_len, scale)
+    return prefill_attention_torch(q, kv_cache, layer, block_table, context_len, scale) if out is None else out
+
+
+def prefill_attention_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """The reference: the sequence's blocks gathered, then torch's SDPA. Shapes as above."""
     n = q.shape[0]
     num_blocks = -(-context_len // block_size_of(kv_cache))
     k, v = _gather_kv(kv_cache, layer, block_table[:num_blocks])  # [T', KVH, D]

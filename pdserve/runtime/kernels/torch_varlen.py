@@ -33,6 +33,6 @@ def prefill_attention_varlen(
     for s, ctx in enumerate(lens):
         start, end = bounds[s], bounds[s + 1]
         if end > start:
-            out[start:end] = torch_ops.prefill_attention(
+            out[start:end] = torch_ops.prefill_attention_torch(
                 q[start:end], kv_cache, layer, block_tables[s], int(ctx), scale)
     return out
