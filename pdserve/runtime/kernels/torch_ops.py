@@ -178,14 +178,8 @@ def prefill_attention(
     return prefill_attention_torch(q, kv_cache, layer, block_table, context_len, scale) if out is None else out
 
 
-def prefill_attention_torch(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    context_len: int,
-    scale: float,
-) -> torch.Tensor:
+def prefill_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor,
+                            context_len: int, scale: float) -> torch.Tensor:
     """The reference: the sequence's blocks gathered, then torch's SDPA. Shapes as above."""
     n = q.shape[0]
     num_blocks = -(-context_len // block_size_of(kv_cache))
