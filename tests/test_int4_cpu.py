@@ -106,6 +106,25 @@ def test_a_kept_dense_copy_changes_no_output_bit_that_both_compute_alike(planes)
         assert ((kept(x).double() - plain(x).double()).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_a_prompt_chunk_of_any_size_takes_the_kept_copys_exact_products(rows):
+    """In a forward that says its rows are all prompt tokens, a kept copy takes them however few: a
+    prompt's 1-4-token chunk (a short prompt, a chunked one's tail, the rest after a cached prefix) took
+    the few-row kernel's int8 inputs before, so its arithmetic depended on how the prompts were cut."""
+    from pdserve.quant import int4_cpu
+
+    gen = torch.Generator().manual_seed(rows)
+    kept = Int4Linear(quantize_rtn(torch.randn(64, 96, generator=gen)))
+    kept.keep_dense_copy()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    with int4_cpu.token_kinds(int4_cpu.RowKinds.of(torch.zeros(rows, dtype=torch.bool))):
+        got = kept(x)
+    assert torch.equal(got, F.linear(x, kept.dequantized()))
+    if rows < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:  # untold rows, as before: the few-row kernel
+        assert torch.equal(kept(x), cpu_int4_matmul.matmul_bf16(x, kept.q8.nibbles, kept.q8.scale, kept.q8.mins,
+                                                                kept.q8.bias))
+
+
 def test_int4_runs_on_the_cpu_only():
     with pytest.raises(ConfigError, match="--weight-format int4 runs on the CPU, not on cuda"):
         EngineConfig(weight_format="int4", dtype="bfloat16", device="cuda")
@@ -155,11 +174,17 @@ def test_int4_model_follows_the_dense_model_on_the_same_codes(smollm2_bf16):
         _engine(ck, "dense").generate([ids], greedy)[0].output_ids[:2]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # torch's kernel; ours (cpu_int4_matmul)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_int4_batched_equals_unbatched(request, dtype):
+    """A worker's engine (the dense copy: prompt rows on it, generated ones on our kernels) in bf16, and fp32
+    (prompt rows dense, generated ones on our kernel): each prompt alone, then the three in one batch.
+    Without the dense copy bf16 projections pick their kernel by row count (int8 inputs below 5 rows,
+    torch's int4 kernel, then the dequantized weight), so there a prompt's tokens agree with its batched
+    self only to rounding: a 4-token prompt alone took int8 inputs, batched the exact products."""
     checkpoint = request.getfixturevalue("smollm2_bf16" if dtype == "bfloat16" else "smollm2")
     engine = Engine.from_checkpoint(checkpoint, EngineConfig(cache=CacheConfig(num_blocks=64, dtype=dtype),
-                                                             dtype=dtype, weight_format="int4"))
+                                                             dtype=dtype, weight_format="int4",
+                                                             dense_copy=dtype == "bfloat16"))
     tok = checkpoint.tokenizer
     prompts = [tok.encode(p) for p in ("Write a haiku about the sea.", "What is 2 + 2?", "Name three colours:")]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -94,6 +94,12 @@ def token_kinds(rows: RowKinds | None) -> Iterator[None]:
         _generated_rows.reset(token)
 
 
+def _all_prompt_rows(m: int) -> bool:
+    """Whether the forward around this call says that its m rows are all prompt tokens."""
+    kinds = _generated_rows.get()
+    return kinds is not None and len(kinds.generated) == 0 and len(kinds.prompt) == m
+
+
 @dataclass(frozen=True, slots=True)
 class Q8Form:
     """A 4-bit weight as our C kernel reads it (runtime.kernels.cpu_int4_matmul, inputs quantized to
@@ -206,6 +212,8 @@ class Int4Linear:
             return self._fp32(x)
         if self.q8_gemm is not None:
             return self._bf16_by_kind(x)
+        if self.dense is not None and _all_prompt_rows(x.shape[0]):
+            return self._dense(x)  # exact bf16 products, each row's bits whatever the chunk (`_q8_or_dense`)
         if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS and self.q8 is not None:
             y = cpu_int4_matmul.matmul_bf16(x, self.q8.nibbles, self.q8.scale, self.q8.mins, self.q8.bias)
             if y is not None:
@@ -223,11 +231,11 @@ class Int4Linear:
     def _bf16_by_kind(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 with the VNNI GEMM: generated tokens' rows on the int8 sums, prompt tokens' rows
         dense (`_q8_or_dense`). Rows of no told kind (outside a forward, or a forward that does not say:
-        teacher-forced logits) count as prompt rows."""
+        teacher-forced logits) go by their count: the `q8` kernel below 5, else the dense copy."""
         m = x.shape[0]
         kinds = _generated_rows.get()
-        if kinds is None or len(kinds.generated) + len(kinds.prompt) != m:
-            return self._q8_or_dense(x, False)
+        if kinds is None or len(kinds.generated) + len(kinds.prompt) != m:  # by row count: the q8 kernel below 5
+            return self._q8_or_dense(x, generated=m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS)
         if len(kinds.prompt) == 0 or len(kinds.generated) == 0:
             return self._q8_or_dense(x, len(kinds.prompt) == 0)
         y = torch.empty((m, self.out_features), dtype=x.dtype)
@@ -236,16 +244,18 @@ class Int4Linear:
         return y
 
     def _q8_or_dense(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
-        """The int8 sums for generated tokens (few rows: the `q8` kernel, as for any row below 5; more: the
-        GEMM); prompt chunks of 5 rows or more on the dense copy (the GEMM comes only with it)."""
-        m = x.shape[0]
+        """The int8 sums for generated tokens (few rows: the `q8` kernel; more: the GEMM); prompt rows on
+        the dense copy (the GEMM comes only with it), however few: a prompt's chunk of 1-4 tokens (a short
+        prompt, the tail of a chunked one, the rest after a cached prefix) took the `q8` kernel's int8
+        inputs before, so its tokens' arithmetic, and its first generated token, depended on how the
+        scheduler cut and batched the prompts."""
+        if not generated:
+            return self._dense(x)
         q8 = self.q8
-        if m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
+        if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
             y = cpu_int4_matmul.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias)
-        elif generated:
-            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, q8.bias)
         else:
-            y = None
+            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, q8.bias)
         return self._dense(x) if y is None else y
 
     def _fp32(self, x: torch.Tensor) -> torch.Tensor:
