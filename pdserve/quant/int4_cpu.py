@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,12 +94,6 @@ def token_kinds(rows: RowKinds | None) -> Iterator[None]:
         _generated_rows.reset(token)
 
 
-def _all_prompt_rows(m: int) -> bool:
-    """Whether the forward around this call says that its m rows are all prompt tokens."""
-    kinds = _generated_rows.get()
-    return kinds is not None and len(kinds.generated) == 0 and len(kinds.prompt) == m
-
-
 @dataclass(frozen=True, slots=True)
 class Q8Form:
     """A 4-bit weight as our C kernel reads it (runtime.kernels.cpu_int4_matmul, inputs quantized to
@@ -136,8 +130,9 @@ class Int4Linear:
     with AVX512-VNNI and no AMX, and replaces torch's packing: in a forward, generated tokens' rows of 5
     or more run on it (fewer on the `q8` kernel: the same sums in another order), so a generated token's
     projections quantize their inputs to int8 whatever its step holds, as steps of one to four
-    sequences always did; prompt tokens' rows of 5 or more take the copy (exact bf16 products), and a
-    mixed step splits its rows, as fp32's `token_kinds` does. Rows of no told kind are prompt rows."""
+    sequences always did. With a dense copy (any CPU) a forward's prompt tokens' rows take it however few
+    (exact bf16 products) and its generated ones their kernels, a mixed step split by kind as fp32's
+    `token_kinds` does (`_by_kind`); rows of no told kind go by their count (`_bf16_by_count`)."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm")
@@ -208,70 +203,60 @@ class Int4Linear:
         x = x.to(self.dtype)
         if self.perm is not None:  # the weight's columns are sorted by group: so are the inputs'
             x = permute_columns(x, self.perm)
-        if self.mins is not None:
-            return self._fp32(x)
-        if self.q8_gemm is not None:
-            return self._bf16_by_kind(x)
-        if self.dense is not None and _all_prompt_rows(x.shape[0]):
-            return self._dense(x)  # exact bf16 products, each row's bits whatever the chunk (`_q8_or_dense`)
-        if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS and self.q8 is not None:
+        if self.mins is not None:  # fp32: generated rows on the C kernel, prompt rows dense (`token_kinds`)
+            return self._by_kind(x, self._dense_row_invariant, self._kernel,
+                                 lambda x: self._kernel(x) if x.shape[0] < self.dense_from_rows
+                                 else self._dense_row_invariant(x))
+        if self.dense is not None:
+            return self._by_kind(x, self._dense, self._bf16_generated, self._bf16_by_count)
+        return self._bf16_by_count(x)
+
+    def _by_kind(self, x: torch.Tensor, prompt: Callable, generated: Callable, untold: Callable) -> torch.Tensor:
+        """x [M, K] split by the forward's token kinds (`token_kinds`): `prompt` on its prompt tokens' rows,
+        `generated` on its generated ones'; `untold` on all of them where the forward does not say
+        (outside one, or teacher-forced logits)."""
+        m = x.shape[0]
+        kinds = _generated_rows.get()
+        if kinds is None or len(kinds.generated) + len(kinds.prompt) != m:
+            return untold(x)
+        if len(kinds.generated) == 0:
+            return prompt(x)
+        if len(kinds.prompt) == 0:
+            return generated(x)
+        y = torch.empty((m, self.out_features), dtype=x.dtype)
+        y[kinds.prompt] = prompt(x[kinds.prompt])
+        y[kinds.generated] = generated(x[kinds.generated])
+        return y
+
+    def _bf16_generated(self, x: torch.Tensor) -> torch.Tensor:
+        """Generated tokens' rows beside a dense copy: the VNNI GEMM from 5 rows where it is kept (the `q8`
+        kernel's sums, which fewer rows take), else by their count. Prompt rows take the copy however few
+        (`__call__`): a prompt's chunk of 1-4 tokens (a short prompt, a chunked one's tail, the rest after a
+        cached prefix) took the `q8` kernel's int8 inputs before, so its arithmetic, and its first generated
+        token, depended on how the scheduler cut and batched the prompts."""
+        if self.q8_gemm is not None and x.shape[0] >= cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
+            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
+            if y is not None:
+                return y
+        return self._bf16_by_count(x)
+
+    def _bf16_by_count(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 by its row count: the `q8` kernel below 5 rows, the AMX kernel below AMX_BELOW_ROWS
+        where it runs, torch's int4 kernel below `dense_from_rows` where its packing is kept, else dense."""
+        m = x.shape[0]
+        if m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS and self.q8 is not None:
             y = cpu_int4_matmul.matmul_bf16(x, self.q8.nibbles, self.q8.scale, self.q8.mins, self.q8.bias)
             if y is not None:
                 return y
-        if self.amx is not None:  # no torch packing: AMX below AMX_BELOW_ROWS, dense from it
-            y = None if x.shape[0] >= AMX_BELOW_ROWS else cpu_int4_matmul.matmul_amx(
-                x, self.amx, self.scales_and_zeros, self.out_features, self.amx_bias)
-            return self._dense(x) if y is None else y
-        if x.shape[0] >= self.dense_from_rows:
+        if self.amx is not None and m < AMX_BELOW_ROWS:
+            y = cpu_int4_matmul.matmul_amx(x, self.amx, self.scales_and_zeros, self.out_features, self.amx_bias)
+            if y is not None:
+                return y
+        if self.amx is not None or self.packed is None or m >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
         y = torch._weight_int4pack_mm_for_cpu(xs, self.packed, GROUP, self.scales_and_zeros)  # [M, out]
         return y if self.bias is None else y + self.bias
-
-    def _bf16_by_kind(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] bf16 with the VNNI GEMM: generated tokens' rows on the int8 sums, prompt tokens' rows
-        dense (`_q8_or_dense`). Rows of no told kind (outside a forward, or a forward that does not say:
-        teacher-forced logits) go by their count: the `q8` kernel below 5, else the dense copy."""
-        m = x.shape[0]
-        kinds = _generated_rows.get()
-        if kinds is None or len(kinds.generated) + len(kinds.prompt) != m:  # by row count: the q8 kernel below 5
-            return self._q8_or_dense(x, generated=m < cpu_int4_matmul.BF16_Q8_BELOW_ROWS)
-        if len(kinds.prompt) == 0 or len(kinds.generated) == 0:
-            return self._q8_or_dense(x, len(kinds.prompt) == 0)
-        y = torch.empty((m, self.out_features), dtype=x.dtype)
-        y[kinds.prompt] = self._q8_or_dense(x[kinds.prompt], False)
-        y[kinds.generated] = self._q8_or_dense(x[kinds.generated], True)
-        return y
-
-    def _q8_or_dense(self, x: torch.Tensor, generated: bool) -> torch.Tensor:
-        """The int8 sums for generated tokens (few rows: the `q8` kernel; more: the GEMM); prompt rows on
-        the dense copy (the GEMM comes only with it), however few: a prompt's chunk of 1-4 tokens (a short
-        prompt, the tail of a chunked one, the rest after a cached prefix) took the `q8` kernel's int8
-        inputs before, so its tokens' arithmetic, and its first generated token, depended on how the
-        scheduler cut and batched the prompts."""
-        if not generated:
-            return self._dense(x)
-        q8 = self.q8
-        if x.shape[0] < cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
-            y = cpu_int4_matmul.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias)
-        else:
-            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, q8.bias)
-        return self._dense(x) if y is None else y
-
-    def _fp32(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32: generated tokens' rows on the C kernel, prompt tokens' dense (`token_kinds`)."""
-        kinds = _generated_rows.get()
-        if kinds is None or len(kinds.generated) + len(kinds.prompt) != x.shape[0]:
-            on_kernel = x.shape[0] < self.dense_from_rows
-            return self._kernel(x) if on_kernel else self._dense_row_invariant(x)
-        if len(kinds.prompt) == 0:
-            return self._kernel(x)
-        if len(kinds.generated) == 0:
-            return self._dense_row_invariant(x)
-        y = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
-        y[kinds.prompt] = self._dense_row_invariant(x[kinds.prompt])
-        y[kinds.generated] = self._kernel(x[kinds.generated])
-        return y
 
     def _dense_row_invariant(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> [M, out] dense, each row's bits independent of M and of the thread count.
@@ -376,7 +361,7 @@ class Int4Linear:
 
     def _keep_q8_gemm(self) -> None:
         """With the dense copy, on a CPU with AVX512-VNNI and no AMX: the VNNI GEMM takes the generated
-        rows that took the copy or torch's kernel, and prompt rows the copy (`_bf16_by_kind`), so torch's
+        rows that took the copy or torch's kernel, and prompt rows the copy (`__call__`), so torch's
         packing is dropped (SmolLM2: -53 MB, +80 MB for the GEMM's codes and scales)."""
         if (self.q8 is not None and self.amx is None and self.out_features % cpu_int4_matmul.Q8_GEMM_PANEL == 0
                 and cpu_int4_matmul.q8_gemm_available()):
