@@ -59,10 +59,10 @@ def _decode_trace(engine: Engine, prompts: list[list[int]], steps: int, monkeypa
         runs[0] += 1
         return plan_run(self, *args)
 
-    def recorded(*args):
+    def recorded(*args, **kwargs):
         meta = args[2]
         mixed[0] += bool(meta.num_decode_tokens and meta.prefills)
-        out = type(model).forward(model, *args)
+        out = type(model).forward(model, *args, **kwargs)
         hidden.append(out.clone())
         return out
 

@@ -296,6 +296,13 @@ class Int4Linear:
         return F.linear(x, self._dense_weight(), self.bias)
 
     @property
+    def rows_split_by_kind(self) -> bool:
+        """Whether a forward's prompt rows take a row-invariant dense GEMM and its generated rows their
+        own kernel as one group (`_by_kind`: fp32, or bf16 with the dense copy), so that leaving prompt
+        rows out of a call changes no other row's bits (LlamaModel's last layer, `OutputRows`)."""
+        return self.mins is not None or self.dense is not None
+
+    @property
     def dense_packed(self) -> bool:
         """Whether the kept copy is in oneDNN's layout (`onednn_packed`), for `linear_packed` only."""
         return self.dense is not None and self.dense.is_mkldnn

@@ -132,6 +132,11 @@ class ConcatLinear:
             keep_dense_copy(p)
 
     @property
+    def rows_split_by_kind(self) -> bool:
+        """As Int4Linear's, where every part's is (one that says nothing: False)."""
+        return all(getattr(p, "rows_split_by_kind", False) for p in self.parts)
+
+    @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 

@@ -66,3 +66,35 @@ def split_generated_decodes(meta: AttentionMetadata) -> RowSplit | None:
                              tuple(replace(p, query_start=p.query_start - g) for p in meta.prefills),
                              meta.generated_rows[rest_rows])
     return RowSplit(decode_rows, decode, rest_rows, rest)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRows:
+    """The rows of a step whose final hidden states are used (those that sample), when they leave work
+    out of the last layer: every decode row, and of each prefill chunk its last `tails[i]` rows (a
+    chunk's last token, or a speculative chunk's last 1 + drafts). The last layer writes every row's
+    K/V but computes its attention output, o projection and MLP for these rows only (llama.cpp's
+    `inp_out_ids`): a 512-token prefill step of 200-token prompts samples 2-3 rows."""
+
+    rows: torch.Tensor  # [R] int64, ascending: the kept rows of the step
+    tails: tuple[int, ...]  # per prefill chunk, in order: how many of its last rows are kept
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, rows: torch.Tensor) -> OutputRows | None:
+        """`rows` [R] (ascending) as kept rows of `meta`'s step; None where keeping them saves nothing
+        (every row is kept) or they are not every decode row plus a tail of each chunk."""
+        n = meta.num_decode_tokens + sum(p.query_len for p in meta.prefills)
+        listed = rows.tolist()
+        kept = set(listed)
+        if listed != sorted(kept) or len(kept) >= n or not all(r in kept for r in range(meta.num_decode_tokens)):
+            return None
+        tails = []
+        for p in meta.prefills:
+            inside = [r for r in range(p.query_start, p.query_start + p.query_len) if r in kept]
+            if inside and inside[0] != p.query_start + p.query_len - len(inside):
+                return None  # not a tail of the chunk (rows in between left out)
+            tails.append(len(inside))
+        starts = [p.query_start for p in meta.prefills]
+        if starts != sorted(starts) or meta.num_decode_tokens + sum(tails) != len(listed):
+            return None  # chunks out of order, or rows outside the step
+        return cls(rows, tuple(tails))

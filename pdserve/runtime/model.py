@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from pdserve.quant.int4_cpu import RowKinds, token_kinds
 from pdserve.quant.linear import Linear, as_linear, fused_linear, keep_dense_copy
 from pdserve.runtime.arch import LinearSite
-from pdserve.runtime.attention import AttentionMetadata, RowSplit, split_generated_decodes
+from pdserve.runtime.attention import AttentionMetadata, OutputRows, RowSplit, split_generated_decodes
 from pdserve.runtime.config import ModelConfig
 from pdserve.runtime.kernels import get_kernels, torch_ops
 from pdserve.runtime.kernels.cpu_decode_step import DecodeStepPlan
@@ -84,6 +84,12 @@ class DecoderLayer:
         residual: [N, D], the residual stream before it. Returns this layer's (MLP output, residual
         stream before it): their sum is the layer's output, left unsummed so that the next layer's
         norm (or the final one) fuses the add. positions: [N] RoPE positions."""
+        return self.mlp(*self.attention(hidden, residual, positions, attend))
+
+    def attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  attend: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention output: (attention output [N, H * hd] (or the rows `attend`
+        returns), residual stream [N, D] entering the layer); arguments as `__call__`'s."""
         c = self.ctx
         k = c.kernels
         if residual is None:
@@ -98,7 +104,14 @@ class DecoderLayer:
         value = value.view(n, c.num_kv_heads, c.head_dim)
         q, key = k.apply_rope(q, key, positions, c.cos, c.sin)
         out = attend(self.index, q, key, value)  # [N, H, hd]
-        hidden, residual = k.add_rms_norm(c.reduce(self.o(out.view(n, -1))), residual, self.post_norm, c.eps)
+        return out.view(out.shape[0], c.num_heads * c.head_dim), residual
+
+    def mlp(self, attention_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer: attention output [R, H * hd] and the residual stream [R, D] of the same
+        rows -> (MLP output, residual stream before it), as `__call__` returns them."""
+        c = self.ctx
+        k = c.kernels
+        hidden, residual = k.add_rms_norm(c.reduce(self.o(attention_out)), residual, self.post_norm, c.eps)
         return c.reduce(self.down(k.silu_and_mul(self.gate_up(hidden)))), residual
 
 
@@ -133,17 +146,42 @@ class PagedAttention:
         self.kernels, self.meta, self.kv_cache, self.scale = kernels, meta, kv_cache, scale
 
     def __call__(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """q [N, H, hd], key and value [N, KVH, hd] -> [N, H, hd]."""
         k, meta, cache = self.kernels, self.meta, self.kv_cache
         k.write_kv(cache, layer, key, value, meta.slot_mapping)
         out = torch.empty_like(q)  # [N, H, hd]
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = k.paged_decode_attention(
-                q[:nd], cache, layer, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            out[:nd] = self._decodes(layer, q)
         for p in meta.prefills:
             sl = slice(p.query_start, p.query_start + p.query_len)
             out[sl] = k.prefill_attention(q[sl], cache, layer, p.block_table, p.context_len, self.scale)
         return out
+
+    def kept_rows(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  kept: OutputRows) -> torch.Tensor:
+        """As a call, every row's K/V written, but -> [R, H, hd]: the output of `kept`'s rows only, the
+        decode rows and each chunk's last tails[i] rows (which attend as the last rows of their context,
+        each on its own: the values the whole chunk's call gives them)."""
+        k, meta, cache = self.kernels, self.meta, self.kv_cache
+        k.write_kv(cache, layer, key, value, meta.slot_mapping)
+        parts = [self._decodes(layer, q)] if meta.num_decode_tokens else [q[:0]]
+        for p, rows in zip(meta.prefills, kept.tails):
+            if rows:
+                end = p.query_start + p.query_len
+                parts.append(k.prefill_attention(q[end - rows:end], cache, layer, p.block_table, p.context_len,
+                                                 self.scale))
+        return torch.cat(parts)
+
+    def _decodes(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        nd = meta.num_decode_tokens
+        return self.kernels.paged_decode_attention(q[:nd], self.kv_cache, layer, meta.decode_block_tables,
+                                                   meta.decode_context_lens, self.scale)
+
+    def keeping(self, kept: OutputRows) -> Attention:
+        """This attention computing the output of `kept`'s rows only (every row's K/V still written)."""
+        return lambda layer, q, key, value: self.kept_rows(layer, q, key, value, kept)
 
 
 class CausalAttention:
@@ -204,18 +242,40 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [N] -> final hidden states [N, D]; writes the step's KV."""
+                kv_cache: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [N] -> final hidden states [N, D]; writes the step's KV. output_rows:
+        [R] int64 ascending, the rows the caller uses (those that sample): then returns those [R, D],
+        the same values, and a prefill step leaves the other rows out of its last layer (`OutputRows`)."""
         hidden = self.embed_tokens(input_ids)  # [N, D]
         step = self.one_call_decode_step()
         if step is not None and step.applies(hidden, meta, kv_cache):
-            return step.run(hidden, positions, meta, kv_cache)  # the same bits as the layers below
+            out = step.run(hidden, positions, meta, kv_cache)  # the same bits as the layers below
+            return out if output_rows is None else out[output_rows]
         split = split_generated_decodes(meta) if step is not None else None
         if split is not None:
             decode_hidden = hidden[split.decode_rows]  # [G, D]
             if step.applies(decode_hidden, split.decode, kv_cache):
-                return self._split_forward(step, hidden, decode_hidden, positions, split, kv_cache)
-        return self._layers_forward(hidden, positions, meta, kv_cache)
+                out = self._split_forward(step, hidden, decode_hidden, positions, split, kv_cache)
+                return out if output_rows is None else out[output_rows]
+        kept = self._kept_rows(meta, output_rows)
+        out = self._layers_forward(hidden, positions, meta, kv_cache, kept)
+        return out if output_rows is None or kept is not None else out[output_rows]
+
+    def _kept_rows(self, meta: AttentionMetadata, output_rows: torch.Tensor | None) -> OutputRows | None:
+        """`output_rows` as the rows the last layer computes past its K/V, where that leaves every kept
+        row's bits as the whole layer gives them: its projections split rows by token kind (prompt rows on
+        a row-invariant GEMM, `rows_split_by_kind`; a kernel chosen by row count would take other sums for
+        a lone row) and every generated row is kept (they stay one group of the same size). Else None."""
+        generated = meta.generated_rows
+        if output_rows is None or generated is None:
+            return None
+        last = self.layers[-1]
+        if not all(getattr(linear, "rows_split_by_kind", False) for linear in (last.o, last.gate_up, last.down)):
+            return None
+        kept = OutputRows.of(meta, output_rows)
+        if kept is None or int(generated[kept.rows].sum()) != int(generated.sum()):
+            return None
+        return kept
 
     def _split_forward(self, step: DecodeStepPlan, hidden: torch.Tensor, decode_hidden: torch.Tensor,
                        positions: torch.Tensor, split: RowSplit, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -236,18 +296,39 @@ class LlamaModel:
         return out
 
     def _layers_forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        kv_cache: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, D] embeddings -> final hidden states [N, D], layer by layer; writes the step's KV."""
+                        kv_cache: torch.Tensor, kept: OutputRows | None = None) -> torch.Tensor:
+        """hidden: [N, D] embeddings -> final hidden states [N, D] (with `kept`: of its rows, [R, D]), layer
+        by layer; writes the step's KV."""
         attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         residual = None
         kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
         with token_kinds(kinds):  # int4: generated tokens on the int8 kernels, prompt tokens dense
-            for layer in self.layers:
-                hidden, residual = layer(hidden, residual, positions, attend)
+            for i, layer in enumerate(self.layers):
+                if kept is not None and i == len(self.layers) - 1:
+                    hidden, residual = self._last_layer_kept(layer, hidden, residual, positions, attend, kept)
+                    if not len(hidden):  # a chunk that samples nothing: its K/V was all the step needed
+                        return hidden
+                else:
+                    hidden, residual = layer(hidden, residual, positions, attend)
                 if self.between_layers is not None:
                     self.between_layers()
         hidden, _ = self.kernels.add_rms_norm(hidden, residual, self.final_norm, self.config.rms_norm_eps)
         return hidden
+
+    @staticmethod
+    def _last_layer_kept(layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor | None,
+                         positions: torch.Tensor, attend: PagedAttention, kept: OutputRows
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer with every row's K/V written but the rest computed for the kept rows only: their
+        attention output, o projection and MLP (each row's own, so the same values as the whole layer's;
+        their token kinds told again for the int4 projections, which split a call's rows by kind)."""
+        out, residual = layer.attention(hidden, residual, positions, attend.keeping(kept))  # [R, H * hd], [N, D]
+        rows = kept.rows
+        if not len(rows):
+            return residual[:0], residual[:0]
+        generated = attend.meta.generated_rows
+        with token_kinds(None if generated is None else RowKinds.of(generated[rows])):
+            return layer.mlp(out, residual[rows])
 
     def one_call_decode_step(self) -> DecodeStepPlan | None:
         """The C decode step of this model (kernels.cpu_decode_step), planned at its first forward (after

@@ -36,8 +36,8 @@ class ModelRunner:
         if self.graphs is not None and out.decodes and not out.prefills and self.graphs.fits(len(out.decodes)):
             return self.graphs.run(self._decode_batch(out.decodes))  # every decode row samples
         input_ids, positions, meta, sample_rows = self._prepare(out)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)  # [N, D]
-        return self.model.compute_logits(hidden[sample_rows])
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, output_rows=sample_rows)  # [R, D]
+        return self.model.compute_logits(hidden)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         ids: list[int] = []

@@ -173,8 +173,9 @@ class PipelineDriver:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache) -> torch.Tensor:
-        """The step through every stage; returns row handles [N, 1] (row i holds i) for compute_logits."""
+                kv_cache, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The step through every stage; returns row handles [N, 1] (row i holds i) for compute_logits, or
+        those of `output_rows` [R] (every stage computes every row)."""
         group = self.model.group
         payload = pack_step(input_ids, positions, meta).to(group.device)
         k = max(1, min(self.micro_batches, meta.num_decode_tokens // self.micro_batch_rows))
@@ -182,7 +183,8 @@ class PipelineDriver:
             self.channel.send(Op.STEP, payload.numel(), k)
             group.broadcast(payload)
             self._logits = pipeline_step(self.model, input_ids, positions, meta, kv_cache.local, k)
-        return torch.arange(input_ids.numel(), dtype=torch.float32, device=input_ids.device).unsqueeze(1)
+        handles = torch.arange(input_ids.numel(), dtype=torch.float32, device=input_ids.device).unsqueeze(1)
+        return handles if output_rows is None else handles[output_rows]
 
     @torch.inference_mode()
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:

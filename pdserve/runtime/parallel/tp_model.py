@@ -66,13 +66,16 @@ class DriverModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: ShardedKVCache) -> torch.Tensor:
-        """The step on every rank; returns rank 0's final hidden states [N, D] (the same everywhere)."""
+                kv_cache: ShardedKVCache, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The step on every rank; returns rank 0's final hidden states [N, D] (the same everywhere), or of
+        `output_rows` [R] (LlamaModel.forward's: every rank computes every row, as its partial sums of
+        the last layer meet the others')."""
         payload = pack_step(input_ids, positions, meta).to(self.model.group.device)
         with self.channel.lock:
             self.channel.send(Op.STEP, payload.numel())
             self.model.group.broadcast(payload)
-            return self.model.forward(input_ids, positions, meta, kv_cache.local)
+            hidden = self.model.forward(input_ids, positions, meta, kv_cache.local)
+        return hidden if output_rows is None else hidden[output_rows]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
