@@ -10,6 +10,7 @@ from pdserve.runtime import model as model_module
 from pdserve.runtime.attention import AttentionMetadata, OutputRows, PrefillSpan
 from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.runtime.engine import Engine
+from pdserve.runtime.kernels.cpu_decode_step import DecodeStepPlan
 from pdserve.runtime.sampling_params import SamplingParams
 
 
@@ -47,15 +48,24 @@ def test_rows_that_are_not_such_a_selection_keep_the_whole_layer(rows):
 def _trace(checkpoint, config: EngineConfig, kept_on: bool, monkeypatch) -> dict:
     """Greedy requests arriving over several steps (chunked prompts beside decodes): every step's logits,
     the tokens, the KV cache, and how many steps left rows out of the last layer."""
-    engaged = [0]
-    plan = model_module.LlamaModel._kept_rows
+    engaged, split, in_split = [0], [0], [False]
+    plan, split_forward = model_module.LlamaModel._kept_rows, model_module.LlamaModel._split_forward
 
     def kept_rows(self, meta, output_rows):
         kept = plan(self, meta, output_rows) if kept_on else None
         engaged[0] += kept is not None
+        split[0] += kept is not None and in_split[0]
         return kept
 
+    def split_rows(self, *args):
+        in_split[0] = True
+        try:
+            return split_forward(self, *args)
+        finally:
+            in_split[0] = False
+
     monkeypatch.setattr(model_module.LlamaModel, "_kept_rows", kept_rows)
+    monkeypatch.setattr(model_module.LlamaModel, "_split_forward", split_rows)
     engine = Engine.from_checkpoint(checkpoint, config)
     engine.keep_logits = True
     prompts = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate((70, 23, 45, 9))]
@@ -69,7 +79,8 @@ def _trace(checkpoint, config: EngineConfig, kept_on: bool, monkeypatch) -> dict
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         logits.append(engine.last_logits.clone())
     monkeypatch.undo()
-    return {"logits": logits, "tokens": tokens, "kv": engine.runner.kv_cache.clone(), "engaged": engaged[0]}
+    return {"logits": logits, "tokens": tokens, "kv": engine.runner.kv_cache.clone(), "engaged": engaged[0],
+            "in_split": split[0]}
 
 
 def _config(dtype: str, dense_copy: bool) -> EngineConfig:
@@ -86,6 +97,9 @@ def test_the_kept_rows_logits_and_kv_are_the_whole_layers_bit_for_bit(dtype, smo
     kept = _trace(checkpoint, _config(dtype, True), True, monkeypatch)
     whole = _trace(checkpoint, _config(dtype, True), False, monkeypatch)
     assert kept["engaged"] > 0 and whole["engaged"] == 0
+    if DecodeStepPlan.of(Engine.from_checkpoint(checkpoint, _config(dtype, True)).runner.model) is not None:
+        # mixed steps too: the decode rows in the one-call C step, the prompt rows kept
+        assert kept["in_split"] > 0, kept["in_split"]
     assert kept["tokens"] == whole["tokens"]
     assert len(kept["logits"]) == len(whole["logits"])
     for a, b in zip(kept["logits"], whole["logits"]):

@@ -255,8 +255,13 @@ class LlamaModel:
         if split is not None:
             decode_hidden = hidden[split.decode_rows]  # [G, D]
             if step.applies(decode_hidden, split.decode, kv_cache):
-                out = self._split_forward(step, hidden, decode_hidden, positions, split, kv_cache)
-                return out if output_rows is None else out[output_rows]
+                return self._split_forward(step, hidden, decode_hidden, positions, split, kv_cache, output_rows)
+        return self._rows_forward(hidden, positions, meta, kv_cache, output_rows)
+
+    def _rows_forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      kv_cache: torch.Tensor, output_rows: torch.Tensor | None) -> torch.Tensor:
+        """`_layers_forward`'s final hidden states of `output_rows` (every row where None), the other rows
+        left out of the last layer where `_kept_rows` allows it."""
         kept = self._kept_rows(meta, output_rows)
         out = self._layers_forward(hidden, positions, meta, kv_cache, kept)
         return out if output_rows is None or kept is not None else out[output_rows]
@@ -278,9 +283,10 @@ class LlamaModel:
         return kept
 
     def _split_forward(self, step: DecodeStepPlan, hidden: torch.Tensor, decode_hidden: torch.Tensor,
-                       positions: torch.Tensor, split: RowSplit, kv_cache: torch.Tensor) -> torch.Tensor:
-        """hidden [N, D] (decode_hidden: its rows split.decode_rows) -> [N, D]: the generated decode rows
-        in the C step, the others layer by layer.
+                       positions: torch.Tensor, split: RowSplit, kv_cache: torch.Tensor,
+                       output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, D] (decode_hidden: its rows split.decode_rows) -> [N, D] (of `output_rows`: [R, D]): the
+        generated decode rows in the C step, the others layer by layer (`_rows_forward`).
 
         Why: a step that admits a prompt (or, on a decode worker, a request's last prompt token) would
         otherwise run its decode rows eagerly too: bench-engine's mixed steps (31 decodes and a short
@@ -288,11 +294,18 @@ class LlamaModel:
         reads each sequence's own KV, and each kind of row takes the same functions either way (the
         generated rows' projections the same kernel, the prompt rows' the row-invariant dense GEMM),
         so the bits are those of the step run whole."""
-        out = torch.empty_like(hidden)
-        d = split.decode_rows
-        out[d] = step.run(decode_hidden, positions[d], split.decode, kv_cache)
-        r = split.rest_rows
-        out[r] = self._layers_forward(hidden[r], positions[r], split.rest, kv_cache)
+        d, r = split.decode_rows, split.rest_rows  # ascending, together every row
+        decoded = step.run(decode_hidden, positions[d], split.decode, kv_cache)  # [G, D]
+        if output_rows is None:
+            out = torch.empty_like(hidden)
+            out[d] = decoded
+            out[r] = self._rows_forward(hidden[r], positions[r], split.rest, kv_cache, None)
+            return out
+        in_rest = torch.isin(output_rows, r)  # [R] bool
+        out = hidden.new_empty((output_rows.numel(), hidden.shape[1]))
+        out[~in_rest] = decoded[torch.searchsorted(d, output_rows[~in_rest])]
+        out[in_rest] = self._rows_forward(hidden[r], positions[r], split.rest, kv_cache,
+                                          torch.searchsorted(r, output_rows[in_rest]))
         return out
 
     def _layers_forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
