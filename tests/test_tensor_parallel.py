@@ -141,6 +141,21 @@ def test_step_inputs_survive_the_broadcast_format():
     assert got.decode_block_tables.tolist() == [[2, 0]] and got.decode_context_lens.tolist() == [18]
     (span,) = got.prefills
     assert (span.query_start, span.query_len, span.context_len, span.block_table.tolist()) == (1, 3, 3, [4])
+    assert got.generated_rows is None  # not told: every rank's projections choose by row count alike
+
+
+def test_the_token_kinds_reach_every_rank():
+    """A step's generated rows travel with it, so that a tensor-parallel follower's int4 projections split
+    the rows by token kind as rank 0's do (before, followers were not told and chose by row count)."""
+    meta = AttentionMetadata(slot_mapping=torch.tensor([33, 70, 71, 72]), num_decode_tokens=1,
+                             decode_block_tables=torch.tensor([[2, 0]]), decode_context_lens=torch.tensor([18]),
+                             prefills=(PrefillSpan(1, 3, 3, torch.tensor([4])),),
+                             generated_rows=torch.tensor([True, False, False, True]))
+    ids, pos, got = unpack_step(pack_step(torch.tensor([9, 5, 6, 7]), torch.tensor([17, 0, 1, 2]), meta))
+    assert got.generated_rows.dtype == torch.bool and got.generated_rows.tolist() == [True, False, False, True]
+    assert ids.tolist() == [9, 5, 6, 7] and got.slot_mapping.tolist() == [33, 70, 71, 72]
+    (span,) = got.prefills
+    assert (span.query_start, span.query_len, span.context_len, span.block_table.tolist()) == (1, 3, 3, [4])
 
 
 def test_canonical_blocks_take_each_kv_head_once():

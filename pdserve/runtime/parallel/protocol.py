@@ -101,36 +101,46 @@ def recv_bytes(group: TPGroup, nbytes: int, dtype: torch.dtype, shape: tuple[int
 
 # ---- step inputs --------------------------------------------------------------------------
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """One int64 tensor: [N, B, W, P, ids N, positions N, slots N, block tables B*W, context lens B,
-    then per prefill chunk: query_start, query_len, context_len, blocks, its block table]."""
+    """One int64 tensor: [N, B, W, P, G, ids N, positions N, slots N, block tables B*W, context lens B,
+    generated rows N (0/1) where G is 1, then per prefill chunk: query_start, query_len, context_len,
+    blocks, its block table]. The generated rows travel so that every rank's int4 projections split a
+    step's rows by token kind as rank 0's do (quant.int4_cpu.token_kinds), not by their count."""
     dev = input_ids.device
     bt = meta.decode_block_tables
     b, w = (bt.shape[0], bt.shape[1]) if bt.dim() == 2 else (0, 0)
+    generated = meta.generated_rows
 
     def ints(*v: int) -> torch.Tensor:
         return torch.tensor(v, dtype=torch.long, device=dev)
 
-    parts = [ints(input_ids.numel(), b, w, len(meta.prefills)), input_ids.long(), positions.long(),
-             meta.slot_mapping.long(), bt.reshape(-1).long(), meta.decode_context_lens.reshape(-1).long()]
+    parts = [ints(input_ids.numel(), b, w, len(meta.prefills), int(generated is not None)), input_ids.long(),
+             positions.long(), meta.slot_mapping.long(), bt.reshape(-1).long(),
+             meta.decode_context_lens.reshape(-1).long()]
+    if generated is not None:
+        parts.append(generated.to(device=dev, dtype=torch.long))
     for p in meta.prefills:
         parts += [ints(p.query_start, p.query_len, p.context_len, p.block_table.numel()), p.block_table.long()]
     return torch.cat(parts)
 
 
 def unpack_step(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    n, b, w, p = flat[:4].tolist()
-    at = 4
+    n, b, w, p, g = flat[:5].tolist()
+    at = 5
     ids, pos, slots = flat[at:at + n], flat[at + n:at + 2 * n], flat[at + 2 * n:at + 3 * n]
     at += 3 * n
     tables = flat[at:at + b * w].view(b, w)
     at += b * w
     lens = flat[at:at + b]
     at += b
+    generated = None
+    if g:
+        generated = flat[at:at + n].bool().cpu()  # [N]: read on the host, as rank 0's
+        at += n
     spans = []
     for _ in range(p):
         qs, ql, cl, nb = flat[at:at + 4].tolist()
         spans.append(PrefillSpan(qs, ql, cl, flat[at + 4:at + 4 + nb]))
         at += 4 + nb
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=b, decode_block_tables=tables,
-                             decode_context_lens=lens, prefills=tuple(spans))
+                             decode_context_lens=lens, prefills=tuple(spans), generated_rows=generated)
     return ids, pos, meta
