@@ -204,9 +204,7 @@ class Int4Linear:
         if self.perm is not None:  # the weight's columns are sorted by group: so are the inputs'
             x = permute_columns(x, self.perm)
         if self.mins is not None:  # fp32: generated rows on the C kernel, prompt rows dense (`token_kinds`)
-            return self._by_kind(x, self._dense_row_invariant, self._kernel,
-                                 lambda x: self._kernel(x) if x.shape[0] < self.dense_from_rows
-                                 else self._dense_row_invariant(x))
+            return self._by_kind(x, self._dense_row_invariant, self._kernel, self._fp32_by_count)
         if self.dense is not None:
             return self._by_kind(x, self._dense, self._bf16_generated, self._bf16_by_count)
         return self._bf16_by_count(x)
@@ -239,6 +237,10 @@ class Int4Linear:
             if y is not None:
                 return y
         return self._bf16_by_count(x)
+
+    def _fp32_by_count(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 by its row count: the C kernel below `dense_from_rows`, else dense."""
+        return self._kernel(x) if x.shape[0] < self.dense_from_rows else self._dense_row_invariant(x)
 
     def _bf16_by_count(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 by its row count: the `q8` kernel below 5 rows, the AMX kernel below AMX_BELOW_ROWS

@@ -319,8 +319,6 @@ class LlamaModel:
             for i, layer in enumerate(self.layers):
                 if kept is not None and i == len(self.layers) - 1:
                     hidden, residual = self._last_layer_kept(layer, hidden, residual, positions, attend, kept)
-                    if not len(hidden):  # a chunk that samples nothing: its K/V was all the step needed
-                        return hidden
                 else:
                     hidden, residual = layer(hidden, residual, positions, attend)
                 if self.between_layers is not None:
@@ -337,7 +335,7 @@ class LlamaModel:
         their token kinds told again for the int4 projections, which split a call's rows by kind)."""
         out, residual = layer.attention(hidden, residual, positions, attend.keeping(kept))  # [R, H * hd], [N, D]
         rows = kept.rows
-        if not len(rows):
+        if not len(rows):  # a chunk that samples nothing: its K/V was all the step needed
             return residual[:0], residual[:0]
         generated = attend.meta.generated_rows
         with token_kinds(None if generated is None else RowKinds.of(generated[rows])):
