@@ -54,7 +54,7 @@ def _emulated(x: torch.Tensor, w_codes: torch.Tensor, scale: torch.Tensor, mins:
     dots = torch.einsum("mgk,ngk->mng", xq.double(), w_codes.double().view(n, k // 32, 32))  # exact integers
     y = (dots * (scale.double()[None] * d.double()[:, None])).sum(-1)
     if mins is not None:
-        y += groups.double().sum(-1) @ mins.double().t()
+        y += (xq.double().sum(-1) * d.double()) @ mins.double().t()  # the quantized inputs' sums
     return y
 
 
@@ -66,7 +66,7 @@ def test_int4_kernel_is_within_the_input_quantization_bound_of_the_dense_matmul(
     x = torch.randn(m, k, generator=gen)
     y = kernel.matmul(x, _nibbles(codes), scale, mins).double()
     want = x.double() @ _dequantized(codes, scale, mins).t()
-    bound = kernel.error_bound(x, codes, scale).double()
+    bound = kernel.error_bound(x, codes, scale, mins).double()
     assert ((y - want).abs() <= bound + 1e-5 * want.abs().max()).all()
     assert (y - want).abs().max() > 0  # the inputs really are quantized: the bound is not vacuous
     assert torch.allclose(y, _emulated(x, codes, scale, mins), rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -95,7 +95,7 @@ def test_bf16_int4_linear_runs_few_rows_on_the_kernel_and_more_on_torchs_or_amx(
     q8 = linear.q8
     assert torch.equal(linear(few), kernel.matmul_bf16(few, q8.nibbles, q8.scale, q8.mins))
     want = few.double() @ linear.dequantized().double().t()
-    bound = kernel.error_bound(few.float(), linear.codes_f32(), q8.scale).double()
+    bound = kernel.error_bound(few.float(), linear.codes_f32(), q8.scale, q8.mins).double()
     assert ((linear(few).double() - want).abs() <= bound + 2 ** -8 * want.abs() + 1e-5).all()
     if linear.amx is not None:  # a CPU with AMX-BF16: those rows on its kernel (tests/test_cpu_int4_amx.py)
         assert torch.equal(linear(x), kernel.matmul_amx(x, linear.amx, linear.scales_and_zeros, 96))
@@ -205,7 +205,9 @@ def test_int4_in_float32_takes_the_files_4bit_codes_and_8bit_head(smollm2):
 
 def test_fp32_int4_model_follows_the_dense_model_on_the_same_codes(smollm2):
     """Both run the file's codes (the dense one dequantized to fp32): the kernel's only difference is
-    the inputs' int8 quantization. Teacher-forced over a chat answer they agree almost everywhere."""
+    the inputs' int8 quantization. Teacher-forced over a chat answer they agree almost everywhere: KL
+    0.0032 and every argmax (Zen 4). With the inputs' exact sums beside their quantized codes (the
+    kernels before stop 55, int4_common.h) it was 0.020 and 97%: this bound fails that arithmetic."""
     from pdserve.commands.quant_eval import kl_and_top1, sequence_logits
     from pdserve.quant.q8_head import pack_head
     from pdserve.runtime.model import LlamaModel
@@ -219,7 +221,7 @@ def test_fp32_int4_model_follows_the_dense_model_on_the_same_codes(smollm2):
     dense = sequence_logits(LlamaModel(ck.config, ck.weights), ids, kv_dtype="float32")
     packed = sequence_logits(LlamaModel(ck.config, packed_weights), ids, kv_dtype="float32")
     kl, top1 = kl_and_top1([dense], [packed])
-    assert top1 >= 0.9 and kl < 0.05, (top1, kl)
+    assert top1 >= 0.95 and kl < 0.008, (top1, kl)
 
 
 

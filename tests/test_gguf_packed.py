@@ -71,7 +71,7 @@ def test_packed_matmul_equals_f_linear_on_the_dequantized_weight(qtype, rows):
     # bf16 scales and a bf16 output: within a few bf16 ulps of the largest output; fewer rows than
     # BF16_Q8_BELOW_ROWS of one plane run our kernel, whose int8 inputs add their quantization's error
     q8 = lin.q8 is not None and rows < BF16_Q8_BELOW_ROWS
-    quantized = cpu_int4_matmul.error_bound(x.float(), lin.codes_f32(), lin.q8.scale) if q8 else 0
+    quantized = cpu_int4_matmul.error_bound(x.float(), lin.codes_f32(), lin.q8.scale, lin.q8.mins) if q8 else 0
     assert ((got - want).abs() <= 2 ** -6 * want.abs().max() + quantized).all()
     # both paths (kernel, dequantized weight) multiply the same weight up to bf16 rounding
     assert (lin.dequantized().float() - w).abs().max() <= 2 ** -7 * w.abs().max()

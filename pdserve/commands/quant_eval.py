@@ -211,9 +211,12 @@ def quantized_weights(checkpoint, fmt: Format, calib):
                           calib if fmt.method == "gptq" else None)
 
 
-def sequence_logits(model, ids: list[int], block_size: int = 16, kv_dtype: str = "float32"):
+def sequence_logits(model, ids: list[int], block_size: int = 16, kv_dtype: str = "float32",
+                    generated: bool | None = None):
     """All-position logits [T, V] of one sequence through the runtime forward, on a private cache
-    in the KV format `kv_dtype` (every position attends to the stored, possibly quantized, KV)."""
+    in the KV format `kv_dtype` (every position attends to the stored, possibly quantized, KV).
+    `generated` True / False: every row computed as a generated token's (4-bit projections on their
+    int8-input kernels, as decode steps run them) / a prompt's; None: the projections choose by count."""
     import torch
 
     from pdserve.runtime.attention import AttentionMetadata, PrefillSpan
@@ -227,7 +230,8 @@ def sequence_logits(model, ids: list[int], block_size: int = 16, kv_dtype: str =
     meta = AttentionMetadata(slot_mapping=torch.arange(t), num_decode_tokens=0,
                              decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
                              decode_context_lens=torch.zeros(0, dtype=torch.long),
-                             prefills=(PrefillSpan(0, t, t, torch.arange(blocks)),))
+                             prefills=(PrefillSpan(0, t, t, torch.arange(blocks)),),
+                             generated_rows=None if generated is None else torch.full((t,), generated))
     hidden = model.forward(torch.tensor(ids), torch.arange(t), meta, kv)
     return model.compute_logits(hidden)
 

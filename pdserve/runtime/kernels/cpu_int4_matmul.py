@@ -108,14 +108,19 @@ def _over_output_rows(x: torch.Tensor, n: int, linear, weights: tuple[int, ...],
     return y
 
 
-def error_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def error_bound(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                mins: torch.Tensor | None = None) -> torch.Tensor:
     """[M, N]: the most the kernel's output may differ from x @ w^T through the inputs' int8
-    quantization (each input off by at most half its group's step): sum_g |scale| xd / 2 sum_k |q|.
-    codes: [N, K] (0..15, or int8); scale: [N, K/32]. (fp32 rounding comes on top.)"""
+    quantization (each input off by at most half its group's step; the kernel multiplies the
+    quantized inputs by w, its min included): sum_g xd / 2 sum_k |w|. codes: [N, K] (0..15, or
+    int8); scale, mins: [N, K/32] (mins None: 8-bit codes, w = q scale). (fp32 rounding on top.)"""
     m, k = x.shape
+    n = codes.shape[0]
     xd = x.view(m, k // GROUP, GROUP).abs().amax(-1) / 127  # [M, G]
-    code_sums = codes.float().abs().view(codes.shape[0], k // GROUP, GROUP).sum(-1)  # [N, G]
-    return (xd / 2) @ (scale.abs() * code_sums).t()
+    w = codes.float().view(n, k // GROUP, GROUP) * scale.float()[..., None]  # [N, G, 32]
+    if mins is not None:
+        w = w + mins.float()[..., None]
+    return (xd / 2) @ w.abs().sum(-1).t()
 
 
 @functools.cache

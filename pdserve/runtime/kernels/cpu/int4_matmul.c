@@ -11,8 +11,9 @@
 //   x[m, k] ~ xq[m, k] * xd[m, g]                    (xq in -127..127, round half to even)
 //   y[m, n] = sum_g scale[n, g] * xd[m, g] * sum_{k in g} q[n, k] xq[m, k] + min[n, g] * xsum[m, g]
 //
-// xsum is the exact fp32 sum of the group's inputs. The only error beside fp32 rounding is the
-// inputs' quantization: |y - x w^T| <= sum_g |scale[n, g]| * xd[m, g] / 2 * sum_{k in g} q[n, k].
+// xsum is the sum of the group's quantized inputs, xd[m, g] * sum_{k in g} xq[m, k] (int4_common.h says
+// why), so y is the dequantized weight times the quantized inputs. The only error beside fp32 rounding
+// is the inputs' quantization: |y - x w^T| <= sum_g xd[m, g] / 2 * sum_{k in g} |w[n, k]|.
 //
 // 8-bit weights (int8_linear_f32: a GGUF's Q8_0 output head) are the same sums with signed codes
 // q in -127..127 and no min: w[n, k] = q[n, k] * scale[n, g]; codes [N, K] int8, in input order.

@@ -13,7 +13,7 @@
 //   y[m, n] = sum_g scale[n, g] * xd[m, g] * sum_{k in g} q[n, k] xq[m, k] + mins[n, g] * xsum[m, g]
 //
 // with xq, xd, xsum the inputs' int8 quantization per group of 32, int4_matmul.c's (`q8_inputs`,
-// int4_common.h: xd = max |x| / 127, codes rounded half to even, xsum the exact fp32 sum): the same
+// int4_common.h: xd = max |x| / 127, codes rounded half to even, xsum the quantized inputs' sum): the same
 // numbers as int4_linear_bf16, summed in another order (outputs agree to fp32 rounding).
 //
 // Layouts (cpu_int4_matmul.q8_gemm_panels): codes [N / 16, K / 8, 16, 4] uint8, two codes a byte:
