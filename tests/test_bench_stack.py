@@ -20,11 +20,12 @@ def _worker_config(role: str, *flags: str):
 def test_the_in_process_engine_is_configured_as_the_workers_are() -> None:
     """Its dtype, weight format and dense copy are the workers' for the same flags (it once ran
     EngineConfig()'s float32 against workers computing in bf16)."""
-    for flags in ([], ["--dtype", "bfloat16"], ["--dtype", "float32", "--dense-copy", "off"]):
+    for flags in ([], ["--dtype", "bfloat16"], ["--dtype", "float32", "--dense-copy", "off"],
+                  ["--dtype", "bfloat16", "--int8-prompts", "off"]):
         args = build_parser().parse_args(["bench-stack", "--model", str(STORIES_GGUF), *flags])
         engine, _ = bench_stack.in_process_engine(args)
         prefill = _worker_config("prefill", *flags)
-        for field in ("dtype", "weight_format", "dense_copy"):
+        for field in ("dtype", "weight_format", "dense_copy", "int8_prompts"):
             assert getattr(engine.config, field) == getattr(prefill, field), (flags, field)
         assert engine.config.cache.dtype == prefill.cache.dtype == _worker_config("decode", *flags).cache.dtype
 

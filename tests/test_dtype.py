@@ -86,7 +86,8 @@ def test_the_dense_copy_is_kept_but_by_fp32_decode_workers_by_default() -> None:
     assert config("decode", "--dtype", "float32", "--dense-prefill-copy", "on").dense_copy  # the old name
     from pdserve.commands.up import plan
 
-    workers, _ = plan(build_parser().parse_args(["up", "--dense-copy", "off", "--no-internal-token"]))
+    workers, _ = plan(build_parser().parse_args(["up", "--dense-copy", "off", "--int8-prompts", "off",
+                                                 "--no-internal-token"]))
     for spec in (w for w in workers if w.name != "kvstore"):  # up passes the choice to every worker
         cmd = list(spec.command)
-        assert cmd[cmd.index("--dense-copy") + 1] == "off"
+        assert cmd[cmd.index("--dense-copy") + 1] == "off" and cmd[cmd.index("--int8-prompts") + 1] == "off"

@@ -152,7 +152,8 @@ def kv_bytes_per_request(stack, num_requests: int) -> float:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The model and dtype flags both runs share, as `pdserve up` flags."""
-    flags = ["--dtype", args.dtype, "--weight-format", args.weight_format, "--dense-copy", args.dense_copy]
+    flags = ["--dtype", args.dtype, "--weight-format", args.weight_format, "--dense-copy", args.dense_copy,
+             "--int8-prompts", args.int8_prompts]
     flags += ["--kv-dtype", args.kv_dtype] if args.kv_dtype else []
     return flags + (["--model", args.model] if args.model else [])
 

@@ -189,7 +189,7 @@ def plan(args: argparse.Namespace) -> tuple[list[ChildSpec], ChildSpec]:
     kv = f"{loopback}:{free_port(avoid=gateway_ports)}"
     model = ("--model", args.model) if args.model else ()
     engine = (*model, "--dtype", args.dtype, "--weight-format", args.weight_format,
-              "--dense-copy", args.dense_copy, "--huge-pages", args.huge_pages,
+              "--dense-copy", args.dense_copy, "--int8-prompts", args.int8_prompts, "--huge-pages", args.huge_pages,
               "--block-size", str(args.block_size), "--kv-dtype", args.kv_dtype,
               "--num-blocks", str(args.num_blocks), "--threads", str(args.threads or worker_threads(args)),
               *(("--max-batched-tokens", str(args.max_batched_tokens)) if args.max_batched_tokens else ()))

@@ -132,10 +132,13 @@ class Int4Linear:
     projections quantize their inputs to int8 whatever its step holds, as steps of one to four
     sequences always did. With a dense copy (any CPU) a forward's prompt tokens' rows take it however few
     (exact bf16 products) and its generated ones their kernels, a mixed step split by kind as fp32's
-    `token_kinds` does (`_by_kind`); rows of no told kind go by their count (`_bf16_by_count`)."""
+    `token_kinds` does (`_by_kind`); rows of no told kind go by their count (`_bf16_by_count`). With
+    `int8_prompts` (kept with the copy, where the VNNI GEMM is) prompt rows run the GEMM however few
+    (`_prompt_rows`: each row's bits its own, whatever the call holds), as llama.cpp runs Q4_1 prompts."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
-                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm")
+                 "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm",
+                 "int8_prompts")
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, pk = codes.codes.shape
@@ -176,6 +179,7 @@ class Int4Linear:
         # The VNNI GEMM's copy of the codes and of the Q8 form's scales (`q8_gemm_panels`), made with the
         # dense copy (`keep_dense_copy`): bf16 rows of generated tokens, 5 or more a call, then run on it.
         self.q8_gemm: cpu_int4_matmul.Q8GemmWeights | None = None
+        self.int8_prompts = False  # prompt rows on `q8_gemm` rather than the dense copy (`keep_dense_copy`)
         # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above
         self.amx = cpu_int4_matmul.amx_codes(codes.codes) if amx else None
         # [N] fp32: the AMX kernel's bias, made here rather than per call (the Q8 form's where there is one)
@@ -206,7 +210,7 @@ class Int4Linear:
         if self.mins is not None:  # fp32: generated rows on the C kernel, prompt rows dense (`token_kinds`)
             return self._by_kind(x, self._dense_row_invariant, self._kernel, self._fp32_by_count)
         if self.dense is not None:
-            return self._by_kind(x, self._dense, self._bf16_generated, self._bf16_by_count)
+            return self._by_kind(x, self._prompt_rows, self._bf16_generated, self._bf16_by_count)
         return self._bf16_by_count(x)
 
     def _by_kind(self, x: torch.Tensor, prompt: Callable, generated: Callable, untold: Callable) -> torch.Tensor:
@@ -225,6 +229,15 @@ class Int4Linear:
         y[kinds.prompt] = prompt(x[kinds.prompt])
         y[kinds.generated] = generated(x[kinds.generated])
         return y
+
+    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens' rows beside a dense copy: the VNNI GEMM however few where `int8_prompts` (its rows'
+        bits depend on neither the call's other rows nor its row count), else the copy's exact products."""
+        if self.int8_prompts:
+            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
+            if y is not None:
+                return y
+        return self._dense(x)
 
     def _bf16_generated(self, x: torch.Tensor) -> torch.Tensor:
         """Generated tokens' rows beside a dense copy: the VNNI GEMM from 5 rows where it is kept (the `q8`
@@ -344,7 +357,7 @@ class Int4Linear:
             w = codes.sub_(136).mul_(s[..., None]).add_(z[..., None])
         return w.view(n, k).to(self.dtype)
 
-    def keep_dense_copy(self) -> None:
+    def keep_dense_copy(self, int8_prompts: bool = False) -> None:
         """Keeps `dequantized()` for the calls of `dense_from_rows` rows or more, which otherwise
         dequantize the weight on every call: with SmolLM2's 4-bit codes at 1 thread that is about
         40 % of a 200-token prompt's prefill. Costs the weight's dense size in memory. The copy is
@@ -355,7 +368,8 @@ class Int4Linear:
         from the kernel's by the order of the fp32 sums (same weights, same products). fp32 goes by
         token kind instead (`token_kinds`), its copy in oneDNN's layout where that keeps the plain
         weight's bits (`onednn_packed_f32`). bf16 / fp16 keep it in oneDNN's layout where torch has oneDNN
-        (`onednn_packed`: the same bits, faster), taking the dense path from DENSE_PACKED_FROM_ROWS."""
+        (`onednn_packed`: the same bits, faster), taking the dense path from DENSE_PACKED_FROM_ROWS.
+        `int8_prompts`: a forward's prompt rows run the VNNI GEMM instead where it is kept (`_prompt_rows`)."""
         self.dense = self.dequantized()
         if self.mins is not None:  # fp32: prompt rows only, on oneDNN's GEMM (`_dense_row_invariant`)
             packed = onednn_packed_f32(self.dense) if _ONEDNN_LINEAR else None
@@ -367,10 +381,11 @@ class Int4Linear:
                 self.dense = packed
                 self.dense_from_rows = min(self.dense_from_rows, DENSE_PACKED_FROM_ROWS)
             self._keep_q8_gemm()
+            self.int8_prompts = int8_prompts and self.q8_gemm is not None
 
     def _keep_q8_gemm(self) -> None:
         """With the dense copy, on a CPU with AVX512-VNNI and no AMX: the VNNI GEMM takes the generated
-        rows that took the copy or torch's kernel, and prompt rows the copy (`__call__`), so torch's
+        rows that took the copy or torch's kernel (and prompt rows where `int8_prompts`), so torch's
         packing is dropped (SmolLM2: -53 MB, +80 MB for the GEMM's codes and scales)."""
         if (self.q8 is not None and self.amx is None and self.out_features % cpu_int4_matmul.Q8_GEMM_PANEL == 0
                 and cpu_int4_matmul.q8_gemm_available()):

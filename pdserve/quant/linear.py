@@ -127,9 +127,9 @@ class ConcatLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
-    def keep_dense_copy(self) -> None:
+    def keep_dense_copy(self, int8_prompts: bool = False) -> None:
         for p in self.parts:
-            keep_dense_copy(p)
+            keep_dense_copy(p, int8_prompts)
 
     @property
     def rows_split_by_kind(self) -> bool:
@@ -141,12 +141,12 @@ class ConcatLinear:
         return sum(p.nbytes for p in self.parts)
 
 
-def keep_dense_copy(linear: Linear) -> None:
+def keep_dense_copy(linear: Linear, int8_prompts: bool = False) -> None:
     """Lets a packed linear keep its dequantized weight for many-row calls (Int4Linear.keep_dense_copy);
     a no-op for formats that have no such path."""
     keep = getattr(linear, "keep_dense_copy", None)
     if keep is not None:
-        keep()
+        keep(int8_prompts)
 
 
 WeightLike = torch.Tensor | QuantizedWeight | Int4Codes | Int8ActWeight

@@ -137,6 +137,12 @@ class EngineConfig:
     # chunks and, in bf16 / fp16, decode steps of DENSE_COPY_FROM_ROWS or more rows: faster at the
     # dense weights' memory. Resolved by engine_args.dense_copy (--dense-copy).
     dense_copy: bool = False
+    # With the dense copy, prompt rows of bf16 4-bit projections run the int8-input VNNI GEMM that
+    # generated rows run, where it is kept (AVX512-VNNI, no AMX: Int4Linear.keep_dense_copy), instead of
+    # the copy: a prompt token's projections 1.25x faster on Zen 4, at llama.cpp's arithmetic (its Q4_1
+    # times Q8_1 inputs; README.md perplexity 51.27 against the copy's 51.15). Resolved by
+    # engine_args (--int8-prompts).
+    int8_prompts: bool = False
     # Threads of the one-call C decode step (runtime.kernels.cpu_decode_step: decode steps of few
     # sequences on the CPU); 0: the engine thread's torch count, or under `pdserve up` the host's core
     # share's count of the moment (runtime.core_share). The step drops to one thread for a while when

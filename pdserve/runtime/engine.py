@@ -142,7 +142,7 @@ class Engine:
         self.kv_cache = allocate_kv_cache(model_config, cache, self.config.device)
         model = LlamaModel(model_config, weights, self.config.device, step_threads=self.config.step_threads)
         if self.config.dense_copy:
-            model.keep_dense_copies()
+            model.keep_dense_copies(int8_prompts=self.config.int8_prompts)
         if self.config.huge_pages and self.config.device == "cpu" and huge_pages.worth_it(model_config):
             # the weights as packed, every form made; not the cache (it would all be resident)
             started = time.monotonic()

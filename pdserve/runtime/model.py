@@ -234,11 +234,12 @@ class LlamaModel:
         self.between_layers: Callable[[], None] | None = None
         self._decode_step: DecodeStepPlan | None | object = _UNPLANNED
 
-    def keep_dense_copies(self) -> None:
-        """Packed projections keep their dequantized weights for prefill chunks (quant.linear.keep_dense_copy)."""
+    def keep_dense_copies(self, int8_prompts: bool = False) -> None:
+        """Packed projections keep their dequantized weights for prefill chunks (quant.linear.keep_dense_copy;
+        `int8_prompts`: prompt rows on the int8-input GEMM instead where it runs)."""
         for layer in self.layers:
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                keep_dense_copy(linear)
+                keep_dense_copy(linear, int8_prompts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
