@@ -10,12 +10,12 @@ import threading
 
 import torch
 
-from pdserve.quant.int4_codes import weights_for
 from pdserve.runtime.engine import Engine
 from pdserve.runtime.kv_cache import allocate_kv_cache
 from pdserve.runtime.parallel.group import ParallelConfig
 from pdserve.runtime.parallel.launch import attach
 from pdserve.runtime.parallel.pp_model import StageModel, serve_stage
+from pdserve.runtime.parallel.stages import pipeline_weights
 from tp_threads import BARRIER_S, ThreadGroup, closer
 
 
@@ -58,7 +58,7 @@ class StageThreadGroup(ThreadGroup):
 def threaded_pp_engine(checkpoint, config, stages: int, micro_batches: int = 0, tp: int = 1) -> tuple[Engine, callable]:
     """(rank 0's Engine, close) with the other ranks serving on threads: `stages` stages of `tp`
     tensor-parallel ranks each (rank s * tp + t)."""
-    weights, _ = weights_for(checkpoint, config)
+    weights = pipeline_weights(checkpoint, config, tp)  # as the real ranks load them
     engine = Engine.from_checkpoint(checkpoint, config)
     groups = StageThreadGroup.make(stages * tp)
     if tp > 1:
@@ -67,7 +67,7 @@ def threaded_pp_engine(checkpoint, config, stages: int, micro_batches: int = 0, 
                 groups[s * tp + t].stage_group = sub
 
     def stage(r: int) -> None:
-        model = StageModel(checkpoint.config, weights, groups[r], "cpu", tp_group=groups[r].stage_group)
+        model = StageModel(checkpoint.config, weights, groups[r], "cpu", tp_group=groups[r].stage_group, engine=config)
         serve_stage(model, allocate_kv_cache(model.config, config.cache, "cpu"), groups[r])
 
     threads = [threading.Thread(target=stage, args=(r,), daemon=True) for r in range(1, stages * tp)]

@@ -63,13 +63,17 @@ def load_shard(spec: RankSpec) -> tuple[TensorParallelModel | StageModel, torch.
     from pdserve.quant.int4_codes import weights_for
     from pdserve.runtime.kv_cache import allocate_kv_cache
     from pdserve.runtime.loader import load_checkpoint
+    from pdserve.runtime.parallel.stages import pipeline_weights
 
     checkpoint = load_checkpoint(spec.model_path, dtype=getattr(torch, spec.engine.dtype))
-    weights, _ = weights_for(checkpoint, spec.engine)
+    pp = spec.parallel.pipeline_parallel_size > 1
+    weights = (pipeline_weights(checkpoint, spec.engine, spec.parallel.tensor_parallel_size) if pp
+               else weights_for(checkpoint, spec.engine)[0])
     group = init_group(spec.rendezvous_dir, spec.rank, spec.parallel.world_size, spec.engine.device,
                        spec.parallel.collective_timeout_s, stage_size=spec.parallel.tensor_parallel_size)
-    if spec.parallel.pipeline_parallel_size > 1:
-        model = StageModel(checkpoint.config, weights, group, group.device, tp_group=group.stage_group)
+    if pp:
+        model = StageModel(checkpoint.config, weights, group, group.device, tp_group=group.stage_group,
+                           engine=spec.engine)
     else:
         model = TensorParallelModel(checkpoint.config, weights, group, group.device)
     del checkpoint, weights  # only the shard stays

@@ -162,7 +162,7 @@ def attach_pipeline(engine, weights: dict, group: TPGroup, parallel: ParallelCon
     from pdserve.runtime.kv_cache import allocate_kv_cache
 
     config, tp = engine.model_config, parallel.tensor_parallel_size
-    model = StageModel(config, weights, group, group.device, tp_group=group.stage_group)
+    model = StageModel(config, weights, group, group.device, tp_group=group.stage_group, engine=engine.config)
     channel = Channel(group, heartbeat_s=parallel.collective_timeout_s / 4)
     local = allocate_kv_cache(model.config, engine.config.cache, str(group.device))
     heads = [shard_layout(config, t, tp).kv_heads for t in range(tp)]
@@ -191,6 +191,7 @@ def tensor_parallel_engine(model_path, engine_config: EngineConfig, parallel: Pa
     from pdserve.quant.int4_codes import weights_for
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import inspect_checkpoint, load_checkpoint
+    from pdserve.runtime.parallel.stages import pipeline_weights
 
     check_split(inspect_checkpoint(model_path).config, parallel)
     # Each rank's share of the cores: torch's default (all of them, in every rank) oversubscribes
@@ -210,7 +211,10 @@ def tensor_parallel_engine(model_path, engine_config: EngineConfig, parallel: Pa
                            parallel.collective_timeout_s, check=ranks.check_alive,
                            stage_size=parallel.tensor_parallel_size)
         ranks.remove_rendezvous()  # all ranks are connected; nothing is left behind if this process is killed
-        weights, _ = weights_for(checkpoint, engine_config)
+        if parallel.pipeline_parallel_size > 1:  # packed as the engine's, stage by stage
+            weights = pipeline_weights(checkpoint, engine_config, parallel.tensor_parallel_size)
+        else:
+            weights, _ = weights_for(checkpoint, engine_config)
         channel, model = attach(engine, weights, group, parallel)
     except BaseException:
         ranks.closing = True

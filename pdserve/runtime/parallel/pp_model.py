@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.quant.int4_cpu import RowKinds, token_kinds
 from pdserve.runtime.attention import AttentionMetadata
-from pdserve.runtime.config import ModelConfig
+from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.model import LlamaModel, PagedAttention
 from pdserve.runtime.parallel.group import TPGroup
 from pdserve.runtime.parallel.protocol import Channel, Op, pack_step, recv_header, unpack_step
@@ -49,16 +50,20 @@ class StageStats:
 class StageModel:
     """One stage's layers, renumbered from 0: a LlamaModel of them, or with a `tp_group` this
     rank's tensor-parallel shard of them (TP x PP). `full_config` is the whole model's shape,
-    `config` this rank's (what its KV cache is allocated for)."""
+    `config` this rank's (what its KV cache is allocated for). `engine`: the engine's settings, so
+    that a stage of one rank packs its layers as one process's engine does (dense copies, prompt
+    rows' kernel: quant.linear.keep_dense_copy); its weights come from `stages.pipeline_weights`."""
 
     def __init__(self, config: ModelConfig, weights: dict, group: TPGroup, device: str | torch.device,
-                 tp_group: TPGroup | None = None) -> None:
+                 tp_group: TPGroup | None = None, engine: EngineConfig | None = None) -> None:
         self.full_config, self.group, self.tp_group = config, group, tp_group
         self.tp = tp_group.size if tp_group is not None else 1
         self.layout: StageLayout = stage_layout(config, group.rank // self.tp, group.size // self.tp)
         cfg, w = stage_config(config, self.layout), stage_weights(config, weights, self.layout)
         self.inner = (LlamaModel(cfg, w, str(device)) if tp_group is None
                       else TensorParallelModel(cfg, w, tp_group, device))
+        if tp_group is None and engine is not None and engine.dense_copy:
+            self.inner.keep_dense_copies(int8_prompts=engine.int8_prompts)
         self.config, self.kernels, self.dtype = self.inner.config, self.inner.kernels, self.inner.embed.dtype
         self.stats = StageStats()
         self.kept: torch.Tensor | None = None  # last stage: a prefill step's final hidden states [N, D]
@@ -78,8 +83,10 @@ class StageModel:
             hidden, residual = m.embed_tokens(input_ids), None  # [n, D]
         else:
             hidden, residual = carried[0], carried[1]
-        for layer in m.layers:
-            hidden, residual = layer(hidden, residual, positions, attend)
+        kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
+        with token_kinds(kinds):  # int4: generated tokens on their kernels, prompt tokens on theirs, as one process
+            for layer in m.layers:
+                hidden, residual = layer(hidden, residual, positions, attend)
         if self.layout.is_last:
             return m.kernels.add_rms_norm(hidden, residual, m.final_norm, m.config.rms_norm_eps)[0]
         return torch.stack((hidden, residual))
@@ -109,7 +116,7 @@ def split_micro_batches(input_ids: torch.Tensor, positions: torch.Tensor, meta: 
         parts.append((input_ids[lo:hi], positions[lo:hi], AttentionMetadata(
             slot_mapping=meta.slot_mapping[lo:hi], num_decode_tokens=hi - lo,
             decode_block_tables=meta.decode_block_tables[lo:hi], decode_context_lens=meta.decode_context_lens[lo:hi],
-            prefills=())))
+            prefills=(), generated_rows=None if meta.generated_rows is None else meta.generated_rows[lo:hi])))
     return parts
 
 

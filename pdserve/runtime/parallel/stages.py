@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.runtime.config import ModelConfig
+from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.parallel.sharding import ShardingError
 
 
@@ -105,10 +105,22 @@ def stage_weights(config: ModelConfig, weights: dict, layout: StageLayout) -> di
             if name in weights:
                 out[arch.layer_name(i - a, t.role)] = weights[name]
     embed, head, norm = (arch.global_name(r) for r in ("embed", "lm_head", "final_norm"))
-    e = weights[embed]
-    placeholder = torch.zeros((1, e.shape[1]), dtype=e.dtype, device=e.device)
+    e = weights[embed]  # a tensor, or the 8-bit head where tied (quant.q8_head.Q8Head: its dtype the compute's)
+    placeholder = torch.zeros((1, e.shape[1]), dtype=e.dtype, device=getattr(e, "device", "cpu"))
     out[embed] = e if layout.is_first else placeholder
     if layout.is_last:
         out[head] = weights.get(head, e)
     out[norm] = weights[norm]
     return out
+
+
+def pipeline_weights(checkpoint, engine: EngineConfig, tensor_parallel_size: int) -> dict:
+    """The weights of the whole model as every rank of a pipeline loads them, packed as one process's
+    engine packs them (Engine.from_checkpoint): the projections as `engine.weight_format` resolves, the
+    head kept 8-bit where one process keeps it (quant.q8_head.pack_head), but where tensor parallelism
+    splits the vocabulary over a stage's ranks (the head then stays a matrix to split)."""
+    from pdserve.quant.int4_codes import weights_for
+    from pdserve.quant.q8_head import pack_head
+
+    weights, weight_format = weights_for(checkpoint, engine)
+    return weights if tensor_parallel_size > 1 else pack_head(weights, checkpoint, engine, weight_format)
