@@ -7,6 +7,8 @@ weight: the engine tests still run there)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,7 @@ def test_bf16_engine_keeps_the_files_q8_0_head_beside_its_dense_weight(smollm2_b
     engine = _bf16_engine(smollm2_bf16, dense_copy=False)
     head = engine.runner.model.lm_head
     assert isinstance(head, Q8Head) and head.bf16_weight is not None and head is engine.runner.model.embed
+    head = replace(head, gemm=None)  # its paths but the VNNI GEMM's (below)
     embed = smollm2_bf16.weights[smollm2_bf16.config.arch.global_name("embed")]
     assert torch.equal(head.dequantize().to(torch.bfloat16), embed)
     assert (head.packed is not None) == (onednn_packed(embed[:32]) is not None)
@@ -105,6 +108,26 @@ def test_bf16_engine_keeps_the_files_q8_0_head_beside_its_dense_weight(smollm2_b
     sums = (hidden.double().abs() @ embed.double().abs().t()) * 2 * embed.shape[1] * 2.0 ** -24
     ulp = 2.0 ** (torch.floor(torch.log2(torch.maximum(logits.abs(), dense.abs()).clamp_min(1e-30))) - 7)
     assert ((logits - dense).abs() <= sums.float() + ulp).all() and (logits != dense).float().mean() < 0.02
+
+
+@needs_bf16_kernel
+def test_on_a_vnni_cpu_without_amx_every_bf16_head_call_runs_the_int8_gemm(smollm2_bf16):
+    """Where the VNNI GEMM runs and AMX does not, the head keeps its codes in the GEMM's layout and every
+    call, of any row count, is the GEMM's: the hidden states quantized to int8 per group of 32 (llama.cpp's
+    Q8_0 head), within that quantization's bound of the file's weights times the bf16 inputs."""
+    head = _bf16_engine(smollm2_bf16, dense_copy=True).runner.model.lm_head
+    assert (head.gemm is not None) == (kernel.q8_gemm_available() and head.amx_blocks is None)
+    if head.gemm is None:
+        return  # another CPU: the paths above
+    gen = torch.Generator().manual_seed(5)
+    w = head.dequantize().double()
+    for rows in (1, BF16_KERNEL_BELOW_ROWS - 1, BF16_KERNEL_BELOW_ROWS, 32):
+        x = torch.randn((rows, w.shape[1]), generator=gen).to(torch.bfloat16)
+        logits = head(x)
+        assert logits.dtype == torch.float32 and torch.equal(logits, kernel.matmul_q8_head(x, head.gemm))
+        bound = kernel.error_bound(x.float(), head.codes, head.scale).double()
+        exact = x.double() @ w.t()
+        assert ((logits.double() - exact).abs() <= bound + 1e-5 * exact.abs().max()).all()
 
 
 def test_bf16_decode_steps_of_many_sequences_on_the_dense_copy_follow_the_packed_kernel(smollm2_bf16):

@@ -181,3 +181,28 @@ def test_a_smollm2_decode_step_on_it_follows_the_dense_copys(smollm2_bf16):
     top2 = dense.topk(2, dim=-1).values
     clear = top2[:, 0] - top2[:, 1] > 1.0
     assert torch.equal(on_gemm.argmax(-1)[clear], dense.argmax(-1)[clear]) and clear.sum() >= 8
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 37])
+def test_8bit_codes_compute_the_quantized_sums_and_each_rows_bits_are_its_own(rows):
+    """The head's 8-bit codes (`q8_head_panels`, stored + 128 with mins -128 scale): the quantized sums of the
+    codes themselves to fp32 rounding; a row alone, or on two threads, gives the same bits as in the call."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 96, 192
+    codes = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.01
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weights = kernel.q8_head_panels(codes, scale)
+    y = kernel.matmul_q8_head(x, weights)
+    if not GEMM:
+        assert y is None
+        return
+    emulated = _emulated(x.float(), codes, scale, None)
+    assert y.dtype == torch.float32 and (y.double() - emulated).abs().max() <= 1e-5 * emulated.abs().max()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.matmul_q8_head(x[-1:], weights), y[-1:])
+        assert torch.equal(kernel.matmul_q8_head(x, weights), y)
+    finally:
+        torch.set_num_threads(before)

@@ -17,6 +17,14 @@ on every call; SmolLM2's head at 32 rows, 2 threads: 2.51 -> 1.55 ms, the same b
 (`dense`). The embedding reads the plain weight, or, beside the packed one, rounds the codes' rows
 to bf16: the loaded weight's bits (it was rounded from the same products), without a second copy.
 
+On a CPU with AVX512-VNNI and no AMX, every bf16 call runs the VNNI GEMM on the codes instead
+(`with_gemm`, kernels/cpu/int4_q8_gemm.c's 8-bit tiles): the hidden states quantized to int8 per group
+of 32, as llama.cpp runs a Q8_0 head and as this CPU's int4 projections already run every generated
+token; one kernel at every row count, so a row's logits depend on nothing else in its step. SmolLM2's
+head, one thread, caches flushed between calls (Zen 4, stop 55): 2.12 against 3.22 ms at 1 row, 3.75
+against 5.42 at 10, 5.77 against 8.08 at 20. README.md perplexity (benchmarks/int4_perplexity.py,
+generated rows' arithmetic): see docs/quantization.md.
+
 On a CPU with AMX-BF16, steps of BF16_KERNEL_BELOW_ROWS to 32 rows (decode steps of 5-32 sequences)
 multiply the codes on AMX tiles instead (kernels/cpu/int4_amx.c: each panel of
 codes widened to the bf16 weight, bit for bit, then the dense matmul's products): 32 MB read a step
@@ -59,6 +67,7 @@ class Q8Head:
     packed: torch.Tensor | None = None  # the bf16 weight in oneDNN's layout instead (`with_packed`)
     exact_inputs: bool = False  # fp32: hidden states as they are (W8A32), not quantized to int8
     amx_blocks: torch.Tensor | None = None  # [V / 16, D / 32, 576] uint8: the codes for AMX (bf16 compute)
+    gemm: cpu_int4_matmul.Q8GemmWeights | None = None  # the codes for the VNNI GEMM (bf16 compute, `with_gemm`)
 
     @classmethod
     def from_dense(cls, w: torch.Tensor) -> Q8Head:
@@ -99,6 +108,15 @@ class Q8Head:
             return self
         return replace(self, amx_blocks=cpu_int4_matmul.amx_int8_blocks(self.codes, self.scale))
 
+    def with_gemm(self) -> Q8Head:
+        """This bf16 head with its codes also laid out for the VNNI GEMM where it runs and AMX does not
+        (itself elsewhere, or for fp32 compute): every bf16 call then runs it (`__call__`)."""
+        v, d = self.codes.shape
+        if (self.bf16_weight is None or self.amx_blocks is not None or v % (2 * cpu_int4_matmul.Q8_GEMM_PANEL)
+                or d % GROUP or not cpu_int4_matmul.q8_gemm_available()):
+            return self
+        return replace(self, gemm=cpu_int4_matmul.q8_head_panels(self.codes, self.scale))
+
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
@@ -118,7 +136,8 @@ class Q8Head:
     def nbytes(self) -> int:
         dense = 0 if self.bf16_weight is None else self.codes.numel() * self.dtype.itemsize
         amx = 0 if self.amx_blocks is None else self.amx_blocks.numel()
-        return self.codes.numel() + self.scale.numel() * 4 + dense + amx
+        gemm = 0 if self.gemm is None else self.gemm.nbytes
+        return self.codes.numel() + self.scale.numel() * 4 + dense + amx + gemm
 
     def to(self, device: str | torch.device) -> Q8Head:
         if torch.device(device).type != "cpu":
@@ -143,6 +162,10 @@ class Q8Head:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] -> logits [S, V] float32."""
         if self.bf16_weight is not None:
+            if self.gemm is not None:  # every row count: a row's logits whatever its step holds
+                y = cpu_int4_matmul.matmul_q8_head(hidden, self.gemm)
+                if y is not None:
+                    return y
             rows = hidden.shape[0]
             if rows < BF16_KERNEL_BELOW_ROWS:
                 y = cpu_int4_matmul.matmul_int8_bf16(hidden, self.codes, self.scale)
@@ -193,7 +216,7 @@ def pack_head(weights: dict[str, object], checkpoint, config, weight_format: str
             codes = replace(codes, exact_inputs=True)
     else:  # the loaded weight is rounded to bf16: the codes from the file, its types read with them
         codes = Q8Head.from_file(checkpoint.source, gguf_name, weights[name])
-        codes = None if codes is None else codes.with_packed().with_amx_blocks()
+        codes = None if codes is None else codes.with_packed().with_amx_blocks().with_gemm()
     if codes is None:
         return weights
     return {**weights, name: codes, **({head: codes} if tied else {})}

@@ -200,6 +200,32 @@ def matmul_q8_gemm(x: torch.Tensor, weights: Q8GemmWeights, bias: torch.Tensor |
     return _over_output_rows(x, n, cpu_attention.library().int4_q8_gemm_bf16_threads, w, torch.bfloat16)
 
 
+def q8_head_panels(codes: torch.Tensor, scale: torch.Tensor) -> Q8GemmWeights:
+    """The VNNI GEMM's layout of 8-bit codes w[n, k] = codes[n, k] * scale[n, k/32] (codes [N, K] int8 in
+    -127..127, a Q8_0 head): codes + 128 as [N/16, K/4, 16, 4] uint8, byte i of lane l of block j holding
+    input 4j + i of output 16 panel + l; scale and mins = -128 scale as [N/16, K/32, 16] (int4_q8_gemm.c)."""
+    n, k = codes.shape
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)  # [N, K] in 1..255
+    panels = shifted.view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // GROUP).transpose(1, 2).contiguous()
+
+    return Q8GemmWeights(panels, by_panel(scale), by_panel(-128 * scale.float()))
+
+
+def matmul_q8_head(x: torch.Tensor, weights: Q8GemmWeights) -> torch.Tensor | None:
+    """x [M, K] bf16 times 8-bit codes (`q8_head_panels`) -> y [M, N] fp32: the inputs quantized to int8 per
+    group of 32 as every kernel here quantizes them, integer dot products on the VNNI GEMM. Each row's
+    bits depend on nothing else in the call. None where it does not apply."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and x.shape[1] % GROUP == 0
+            and q8_gemm_available()):
+        return None
+    n = weights.codes.shape[0] * Q8_GEMM_PANEL
+    w = (weights.codes.data_ptr(), weights.scale.data_ptr(), weights.mins.data_ptr())
+    return _over_output_rows(x, n, cpu_attention.library().int8_q8_gemm_threads, w)
+
+
 # bf16 calls of BF16_Q8_BELOW_ROWS up to this many rows run on the AMX kernel where the CPU has it
 # (`matmul_amx`, Int4Linear): it reads the 4-bit codes, not the dense copy's 2 bytes a weight. SmolLM2's
 # 30 layers' projections at one thread (Xeon with AMX, 2 cores): 17.8 / 14.8 / 18.7 / 23.8 ms at 8 / 16 /

@@ -30,6 +30,33 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+static inline __attribute__((always_inline)) void zero_ps(__m512 a[ROWS][2], int nr, int nb) {
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nb; c++) a[i][c] = _mm512_setzero_ps();
+}
+
+static inline __attribute__((always_inline)) void zero_si(__m512i a[ROWS][2], int nr, int nb) {
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nb; c++) a[i][c] = _mm512_setzero_si512();
+}
+
+// Group g's integer sums of rows [r, r + nr) and panels [b, b + nb) into their fp32 accumulators:
+// acc += dot * scale * xd + mins * xsum.
+static inline __attribute__((always_inline)) void finish_group(__m512 acc[ROWS][2], __m512i dot[ROWS][2],
+                                                               const float* scale, const float* mins, int64_t b,
+                                                               int nb, int64_t groups, int64_t g, const float* xd,
+                                                               const float* xsum, int64_t r, int nr) {
+    for (int c = 0; c < nb; c++) {
+        const __m512 s = _mm512_loadu_ps(scale + ((b + c) * groups + g) * 16);
+        const __m512 mn = _mm512_loadu_ps(mins + ((b + c) * groups + g) * 16);
+        for (int i = 0; i < nr; i++) {
+            const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xd[(r + i) * groups + g]));
+            acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][c]), sx, acc[i][c]);
+            acc[i][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[(r + i) * groups + g]), acc[i][c]);
+        }
+    }
+}
+
 // y for rows [r, r + NR) and outputs of panels [b, b + NB) (16 each), rounded to bf16 with bias.
 static inline __attribute__((always_inline)) void tile(const uint8_t* codes, const float* scale, const float* mins,
                                                        const float* bias, int64_t b, int nb, int64_t k,
@@ -38,12 +65,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
     const int64_t groups = k / GROUP, panel = k * 8;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS][2];
-    for (int i = 0; i < nr; i++)
-        for (int c = 0; c < nb; c++) acc[i][c] = _mm512_setzero_ps();
+    zero_ps(acc, nr, nb);
     for (int64_t g = 0; g < groups; g++) {
         __m512i dot[ROWS][2];
-        for (int i = 0; i < nr; i++)
-            for (int c = 0; c < nb; c++) dot[i][c] = _mm512_setzero_si512();
+        zero_si(dot, nr, nb);
         for (int j = 0; j < GROUP / 8; j++) {
             __m512i lo[2], hi[2];
             for (int c = 0; c < nb; c++) {
@@ -59,15 +84,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
                     dot[i][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i][c], lo[c], x0), hi[c], x1);
             }
         }
-        for (int c = 0; c < nb; c++) {
-            const __m512 s = _mm512_loadu_ps(scale + ((b + c) * groups + g) * 16);
-            const __m512 mn = _mm512_loadu_ps(mins + ((b + c) * groups + g) * 16);
-            for (int i = 0; i < nr; i++) {
-                const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xd[(r + i) * groups + g]));
-                acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][c]), sx, acc[i][c]);
-                acc[i][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[(r + i) * groups + g]), acc[i][c]);
-            }
-        }
+        finish_group(acc, dot, scale, mins, b, nb, groups, g, xd, xsum, r, nr);
     }
     for (int c = 0; c < nb; c++) {
         const __m512 bv = bias != NULL ? _mm512_loadu_ps(bias + (b + c) * 16) : _mm512_setzero_ps();
@@ -80,44 +97,111 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
     }
 }
 
-#define TILE(NR, NB) tile(codes, scale, mins, bias, b, NB, k, xq, xd, xsum, r, NR, y, y_stride)
-#define TILE_ROWS(NB)                                 \
-    switch (nr) {                                     \
-        case 4: TILE(4, NB); break;                   \
-        case 3: TILE(3, NB); break;                   \
-        case 2: TILE(2, NB); break;                   \
-        default: TILE(1, NB); break;                  \
+// x [m, k] bf16 widened to fp32 (exact) and quantized as int4_linear_bf16 quantizes it, in one block of
+// the caller's (free(q.xq)); q.xq NULL where memory is short.
+static Q8Inputs bf16_q8_inputs(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride) {
+    float* xf = malloc(sizeof(float) * (size_t)(m * k));
+    if (xf == NULL) return (Q8Inputs){NULL, NULL, NULL};
+    bf16_rows_to_f32(x, m, k, x_stride, xf);
+    const Q8Inputs q = q8_inputs(xf, m, k, k, 1);
+    free(xf);
+    return q;
+}
+
+// Every tile of outputs [n0, n1) (pairs of panels) and the m rows (ROWS at a time): TILES(nb) with b, r, nr set.
+#define FOR_TILES(TILES)                                          \
+    for (int64_t b = n0 / 16; b < n1 / 16; b += 2) {              \
+        const int nb = b + 2 <= n1 / 16 ? 2 : 1;                  \
+        for (int64_t r = 0; r < m; r += ROWS) {                   \
+            const int nr = r + ROWS <= m ? ROWS : (int)(m - r);   \
+            if (nb == 2) {                                        \
+                TILES(2)                                          \
+            } else {                                              \
+                TILES(1)                                          \
+            }                                                     \
+        }                                                         \
     }
+
+// TILE_FN(nr, NB) with nr (1..ROWS) a constant, so that each tile's loops unroll.
+#define BY_ROWS(TILE_FN, NB)                          \
+    switch (nr) {                                     \
+        case 4: TILE_FN(4, NB); break;                \
+        case 3: TILE_FN(3, NB); break;                \
+        case 2: TILE_FN(2, NB); break;                \
+        default: TILE_FN(1, NB); break;               \
+    }
+
+#define TILE(NR, NB) tile(codes, scale, mins, bias, b, NB, k, xq, xd, xsum, r, NR, y, y_stride)
+#define TILE_ROWS(NB) BY_ROWS(TILE, NB)
 
 // Outputs [n0, n1) (multiples of 16) of every row: the rows widened to fp32 (exact) and quantized, as
 // int4_linear_bf16 does, into this call's own scratch. Also the one-call decode step's (decode_step.c).
 int int4_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                      const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
                      int64_t y_stride) {
-    float* xf = malloc(sizeof(float) * (size_t)(m * k));
-    if (xf == NULL) return -1;
-    bf16_rows_to_f32(x, m, k, x_stride, xf);
-    const Q8Inputs q = q8_inputs(xf, m, k, k, 1);
-    free(xf);
+    const Q8Inputs q = bf16_q8_inputs(x, m, k, x_stride);
     if (q.xq == NULL) return -1;
     const int8_t* xq = q.xq;
     const float *xd = q.xd, *xsum = q.xsum;
-    for (int64_t b = n0 / 16; b < n1 / 16; b += 2) {
-        const int nb = b + 2 <= n1 / 16 ? 2 : 1;
-        for (int64_t r = 0; r < m; r += ROWS) {
-            const int nr = r + ROWS <= m ? ROWS : (int)(m - r);
-            if (nb == 2) {
-                TILE_ROWS(2)
-            } else {
-                TILE_ROWS(1)
-            }
-        }
-    }
+    FOR_TILES(TILE_ROWS)
     free(q.xq);
     return 0;
 }
 
 int int4_q8_gemm_available(void) { return 1; }
+
+// 8-bit codes (a GGUF's Q8_0 output head, quant.q8_head): codes [N / 16, K / 4, 16, 4] uint8, byte i of
+// lane l of block j of panel b holding q + 128 (q in -127..127: vpdpbusd's unsigned operand) of output
+// 16 b + l's input 4 j + i; scale and mins [N / 16, K / 32, 16] fp32 with mins = -128 scale, so that
+// the sums above give y = sum_g scale * xd * sum q xq: the file's weights times the quantized inputs, as
+// llama.cpp runs a Q8_0 head (its inputs quantized likewise). y fp32 (logits), no bias.
+static inline __attribute__((always_inline)) void tile8(const uint8_t* codes, const float* scale, const float* mins,
+                                                        int64_t b, int nb, int64_t k, const int8_t* xq, const float* xd,
+                                                        const float* xsum, int64_t r, int nr, float* y,
+                                                        int64_t y_stride) {
+    const int64_t groups = k / GROUP, panel = k * 16;
+    __m512 acc[ROWS][2];
+    zero_ps(acc, nr, nb);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i dot[ROWS][2];
+        zero_si(dot, nr, nb);
+        for (int j = 0; j < GROUP / 4; j++) {
+            __m512i w[2];
+            for (int c = 0; c < nb; c++)
+                w[c] = _mm512_loadu_si512((const void*)(codes + (b + c) * panel + (g * GROUP + 4 * j) * 16));
+            for (int i = 0; i < nr; i++) {
+                const __m512i x = _mm512_set1_epi32(*(const int32_t*)(xq + (r + i) * k + g * GROUP + 4 * j));
+                for (int c = 0; c < nb; c++) dot[i][c] = _mm512_dpbusd_epi32(dot[i][c], w[c], x);
+            }
+        }
+        finish_group(acc, dot, scale, mins, b, nb, groups, g, xd, xsum, r, nr);
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < nb; c++) _mm512_storeu_ps(y + (r + i) * y_stride + (b + c) * 16, acc[i][c]);
+}
+
+#define TILE8(NR, NB) tile8(codes, scale, mins, b, NB, k, xq, xd, xsum, r, NR, y, y_stride)
+#define TILE8_ROWS(NB) BY_ROWS(TILE8, NB)
+
+// Outputs [n0, n1) (multiples of 16) of every row of x [m, k] bf16, as int4_q8_gemm_part quantizes them.
+int int8_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                      const float* scale, const float* mins, int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+    const Q8Inputs q = bf16_q8_inputs(x, m, k, x_stride);
+    if (q.xq == NULL) return -1;
+    const int8_t* xq = q.xq;
+    const float *xd = q.xd, *xsum = q.xsum;
+    FOR_TILES(TILE8_ROWS)
+    free(q.xq);
+    return 0;
+}
+
+// x [m, k] bf16 -> y [m, n] fp32 over 8-bit codes (tile8), outputs split over `threads` parts of whole pairs
+// of panels. n a multiple of 16, k of 32. Returns 0, or -1 without scratch.
+int int8_q8_gemm_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                         const float* scale, const float* mins, int64_t n, float* y, int64_t y_stride,
+                         int64_t threads) {
+    LINEAR_THREADS_ALIGNED(32, int8_q8_gemm_part(x, m, k, x_stride, codes, scale, mins, n0, n1, y, y_stride))
+}
 
 // x [m, k] bf16 (row stride x_stride) -> y [m, n] bf16 (row stride y_stride), outputs split over
 // `threads` parts of whole pairs of panels. n a multiple of 16, k of 32. Returns 0, or -1 without scratch.
@@ -128,6 +212,12 @@ int int4_q8_gemm_bf16_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x
 }
 #else
 int int4_q8_gemm_available(void) { return 0; }
+
+int int8_q8_gemm_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
+                         const float* scale, const float* mins, int64_t n, float* y, int64_t y_stride,
+                         int64_t threads) {
+    return -2;
+}
 
 int int4_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
                       const float* scale, const float* mins, const float* bias, int64_t n0, int64_t n1, uint16_t* y,
