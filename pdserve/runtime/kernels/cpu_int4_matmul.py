@@ -205,7 +205,7 @@ def q8_head_panels(codes: torch.Tensor, scale: torch.Tensor) -> Q8GemmWeights:
     -127..127, a Q8_0 head): codes + 128 as [N/16, K/4, 16, 4] uint8, byte i of lane l of block j holding
     input 4j + i of output 16 panel + l; scale and mins = -128 scale as [N/16, K/32, 16] (int4_q8_gemm.c)."""
     n, k = codes.shape
-    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)  # [N, K] in 1..255
+    shifted = codes.view(torch.uint8) ^ 0x80  # [N, K]: q + 128 (two's complement), no wider temporary
     panels = shifted.view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
     def by_panel(t: torch.Tensor) -> torch.Tensor:
