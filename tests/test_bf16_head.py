@@ -7,8 +7,6 @@ weight: the engine tests still run there)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,14 +78,15 @@ def _bf16_engine(checkpoint, dense_copy: bool, seqs: int = 16) -> Engine:
 
 
 @needs_bf16_kernel  # the head is kept as codes only where their bf16 kernel runs (pack_head)
-def test_bf16_engine_keeps_the_files_q8_0_head_beside_its_dense_weight(smollm2_bf16):
+def test_bf16_engine_keeps_the_files_q8_0_head_beside_its_dense_weight(smollm2_bf16, monkeypatch):
     """The head's codes are the file's: dequantized and rounded to bf16 they are the loaded weight,
     bit for bit, so the kernel and the dense matmul multiply the same weights; the dense weight is
-    kept in oneDNN's layout (where torch has oneDNN), and the embedding's rows are the loaded ones."""
+    kept in oneDNN's layout (where torch has oneDNN), and the embedding's rows are the loaded ones.
+    (Where the VNNI GEMM takes the head instead, below, its paths are checked here without it.)"""
+    monkeypatch.setattr(Q8Head, "with_gemm", lambda self: self)
     engine = _bf16_engine(smollm2_bf16, dense_copy=False)
     head = engine.runner.model.lm_head
     assert isinstance(head, Q8Head) and head.bf16_weight is not None and head is engine.runner.model.embed
-    head = replace(head, gemm=None)  # its paths but the VNNI GEMM's (below)
     embed = smollm2_bf16.weights[smollm2_bf16.config.arch.global_name("embed")]
     assert torch.equal(head.dequantize().to(torch.bfloat16), embed)
     assert (head.packed is not None) == (onednn_packed(embed[:32]) is not None)
@@ -115,10 +114,14 @@ def test_on_a_vnni_cpu_without_amx_every_bf16_head_call_runs_the_int8_gemm(smoll
     """Where the VNNI GEMM runs and AMX does not, the head keeps its codes in the GEMM's layout and every
     call, of any row count, is the GEMM's: the hidden states quantized to int8 per group of 32 (llama.cpp's
     Q8_0 head), within that quantization's bound of the file's weights times the bf16 inputs."""
-    head = _bf16_engine(smollm2_bf16, dense_copy=True).runner.model.lm_head
+    model = _bf16_engine(smollm2_bf16, dense_copy=True).runner.model
+    head = model.lm_head
     assert (head.gemm is not None) == (kernel.q8_gemm_available() and head.amx_blocks is None)
     if head.gemm is None:
         return  # another CPU: the paths above
+    assert head.bf16_weight is None and head.dtype == torch.bfloat16  # no dense weight beside the GEMM's codes
+    embed = smollm2_bf16.weights[smollm2_bf16.config.arch.global_name("embed")]
+    assert torch.equal(model.embed_tokens(torch.arange(embed.shape[0])), embed)  # the loaded rows, from the codes
     gen = torch.Generator().manual_seed(5)
     w = head.dequantize().double()
     for rows in (1, BF16_KERNEL_BELOW_ROWS - 1, BF16_KERNEL_BELOW_ROWS, 32):

@@ -43,8 +43,9 @@ def _last_logits(model: LlamaModel, ids: list[int], generated: bool) -> torch.Te
     """[V]: the last position's logits of one forward over ids, its rows all of one token kind."""
     t = len(ids)
     kv = allocate_kv_cache(model.config, CacheConfig(block_size=16, num_blocks=-(-t // 16), dtype="bfloat16"), "cpu")
+    spans = (PrefillSpan(0, t, t, torch.arange(-(-t // 16))),)
     meta = AttentionMetadata(torch.arange(t), 0, torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                             (PrefillSpan(0, t, t, torch.arange(-(-t // 16))),), generated_rows=torch.full((t,), generated))
+                             spans, generated_rows=torch.full((t,), generated))
     hidden = model.forward(torch.tensor(ids), torch.arange(t), meta, kv)
     return model.compute_logits(hidden[-1:])[0]
 
@@ -61,10 +62,17 @@ def _first_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
 
 
 def test_the_flag_takes_where_the_gemm_is_kept_and_nowhere_else(smollm2_bf16):
+    """Where it takes, no dense copy is kept (nothing would read it: 212 MB a SmolLM2 worker), and rows of no
+    told kind (a teacher-forced forward) run the same int8 kernels, bit for bit the generated rows' logits."""
     on, off = _engine(smollm2_bf16, True), _engine(smollm2_bf16, False)
     for lin in _projections(on):
-        assert lin.int8_prompts == (lin.q8_gemm is not None)
-    assert not any(lin.int8_prompts for lin in _projections(off))
+        assert lin.int8_prompts == (lin.q8_gemm is not None) == (lin.dense is None) and lin.rows_split_by_kind
+    assert all(not lin.int8_prompts and lin.dense is not None for lin in _projections(off))
+    if _projections(on)[0].int8_prompts:
+        ids = smollm2_bf16.tokenizer.encode(PROMPT)
+        model = on.runner.model
+        untold = sequence_logits(model, ids, kv_dtype="bfloat16")
+        assert torch.equal(untold, sequence_logits(model, ids, kv_dtype="bfloat16", generated=True))
 
 
 def test_a_prompts_logits_are_its_rows_computed_as_generated_ones(smollm2_bf16):

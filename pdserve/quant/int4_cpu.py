@@ -133,8 +133,9 @@ class Int4Linear:
     sequences always did. With a dense copy (any CPU) a forward's prompt tokens' rows take it however few
     (exact bf16 products) and its generated ones their kernels, a mixed step split by kind as fp32's
     `token_kinds` does (`_by_kind`); rows of no told kind go by their count (`_bf16_by_count`). With
-    `int8_prompts` (kept with the copy, where the VNNI GEMM is) prompt rows run the GEMM however few
-    (`_prompt_rows`: each row's bits its own, whatever the call holds), as llama.cpp runs Q4_1 prompts."""
+    `int8_prompts` (asked of `keep_dense_copy`, taken where the VNNI GEMM is) no copy is kept: prompt rows
+    run the GEMM however few (`_prompt_rows`: each row's bits its own, whatever the call holds), as
+    llama.cpp runs Q4_1 prompts, and rows of no told kind from 5 a call too."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm",
@@ -179,7 +180,7 @@ class Int4Linear:
         # The VNNI GEMM's copy of the codes and of the Q8 form's scales (`q8_gemm_panels`), made with the
         # dense copy (`keep_dense_copy`): bf16 rows of generated tokens, 5 or more a call, then run on it.
         self.q8_gemm: cpu_int4_matmul.Q8GemmWeights | None = None
-        self.int8_prompts = False  # prompt rows on `q8_gemm` rather than the dense copy (`keep_dense_copy`)
+        self.int8_prompts = False  # every bf16 row on the int8 kernels, no dense copy kept (`keep_dense_copy`)
         # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above
         self.amx = cpu_int4_matmul.amx_codes(codes.codes) if amx else None
         # [N] fp32: the AMX kernel's bias, made here rather than per call (the Q8 form's where there is one)
@@ -209,7 +210,7 @@ class Int4Linear:
             x = permute_columns(x, self.perm)
         if self.mins is not None:  # fp32: generated rows on the C kernel, prompt rows dense (`token_kinds`)
             return self._by_kind(x, self._dense_row_invariant, self._kernel, self._fp32_by_count)
-        if self.dense is not None:
+        if self.dense is not None or self.int8_prompts:
             return self._by_kind(x, self._prompt_rows, self._bf16_generated, self._bf16_by_count)
         return self._bf16_by_count(x)
 
@@ -267,6 +268,10 @@ class Int4Linear:
             y = cpu_int4_matmul.matmul_amx(x, self.amx, self.scales_and_zeros, self.out_features, self.amx_bias)
             if y is not None:
                 return y
+        if self.int8_prompts:  # no dense copy kept (`keep_dense_copy`): every row count on the int8 kernels
+            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
+            if y is not None:
+                return y
         if self.amx is not None or self.packed is None or m >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
@@ -315,7 +320,7 @@ class Int4Linear:
         """Whether a forward's prompt rows take a row-invariant dense GEMM and its generated rows their
         own kernel as one group (`_by_kind`: fp32, or bf16 with the dense copy), so that leaving prompt
         rows out of a call changes no other row's bits (LlamaModel's last layer, `OutputRows`)."""
-        return self.mins is not None or self.dense is not None
+        return self.mins is not None or self.dense is not None or self.int8_prompts
 
     @property
     def dense_packed(self) -> bool:
@@ -369,7 +374,14 @@ class Int4Linear:
         token kind instead (`token_kinds`), its copy in oneDNN's layout where that keeps the plain
         weight's bits (`onednn_packed_f32`). bf16 / fp16 keep it in oneDNN's layout where torch has oneDNN
         (`onednn_packed`: the same bits, faster), taking the dense path from DENSE_PACKED_FROM_ROWS.
-        `int8_prompts`: a forward's prompt rows run the VNNI GEMM instead where it is kept (`_prompt_rows`)."""
+        `int8_prompts`: where the VNNI GEMM is kept, every bf16 row runs the int8 kernels (prompt rows the
+        GEMM, `_prompt_rows`; rows of no told kind too, `_bf16_by_count`), so nothing would read the copy and
+        none is kept (SmolLM2: 212 MB less a worker)."""
+        if self.mins is None and int8_prompts:
+            self._keep_q8_gemm()
+            self.int8_prompts = self.q8_gemm is not None
+            if self.int8_prompts:
+                return
         self.dense = self.dequantized()
         if self.mins is not None:  # fp32: prompt rows only, on oneDNN's GEMM (`_dense_row_invariant`)
             packed = onednn_packed_f32(self.dense) if _ONEDNN_LINEAR else None
@@ -381,7 +393,6 @@ class Int4Linear:
                 self.dense = packed
                 self.dense_from_rows = min(self.dense_from_rows, DENSE_PACKED_FROM_ROWS)
             self._keep_q8_gemm()
-            self.int8_prompts = int8_prompts and self.q8_gemm is not None
 
     def _keep_q8_gemm(self) -> None:
         """With the dense copy, on a CPU with AVX512-VNNI and no AMX: the VNNI GEMM takes the generated

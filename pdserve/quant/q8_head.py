@@ -17,10 +17,10 @@ on every call; SmolLM2's head at 32 rows, 2 threads: 2.51 -> 1.55 ms, the same b
 (`dense`). The embedding reads the plain weight, or, beside the packed one, rounds the codes' rows
 to bf16: the loaded weight's bits (it was rounded from the same products), without a second copy.
 
-On a CPU with AVX512-VNNI and no AMX, every bf16 call runs the VNNI GEMM on the codes instead
-(`with_gemm`, kernels/cpu/int4_q8_gemm.c's 8-bit tiles): the hidden states quantized to int8 per group
-of 32, as llama.cpp runs a Q8_0 head and as this CPU's int4 projections already run every generated
-token; one kernel at every row count, so a row's logits depend on nothing else in its step. SmolLM2's
+On a CPU with AVX512-VNNI and no AMX, every bf16 call runs the VNNI GEMM on the codes instead, and no
+dense weight is kept (`with_gemm`, kernels/cpu/int4_q8_gemm.c's 8-bit tiles): the hidden states quantized
+to int8 per group of 32, as llama.cpp runs a Q8_0 head and as this CPU's int4 projections run every
+generated token; one kernel at every row count, so a row's logits depend on nothing else in its step. SmolLM2's
 head, one thread, caches flushed between calls (Zen 4, stop 55): 2.12 against 3.22 ms at 1 row, 3.75
 against 5.42 at 10, 5.77 against 8.08 at 20. Perplexity on README.md (benchmarks/int4_perplexity.py,
 the generated rows' arithmetic): 51.19 with it against 51.27 with the bf16 head, no cost resolved.
@@ -109,13 +109,14 @@ class Q8Head:
         return replace(self, amx_blocks=cpu_int4_matmul.amx_int8_blocks(self.codes, self.scale))
 
     def with_gemm(self) -> Q8Head:
-        """This bf16 head with its codes also laid out for the VNNI GEMM where it runs and AMX does not
-        (itself elsewhere, or for fp32 compute): every bf16 call then runs it (`__call__`)."""
+        """This bf16 head with its codes laid out for the VNNI GEMM instead of its dense weight, where the GEMM
+        runs and AMX does not (itself elsewhere, or for fp32 compute): every call then runs it (`__call__`),
+        and the embedding's rows come from the codes, so the dense bf16 weight has no reader (57 MB)."""
         v, d = self.codes.shape
         if (self.bf16_weight is None or self.amx_blocks is not None or v % (2 * cpu_int4_matmul.Q8_GEMM_PANEL)
                 or d % GROUP or not cpu_int4_matmul.q8_gemm_available()):
             return self
-        return replace(self, gemm=cpu_int4_matmul.q8_head_panels(self.codes, self.scale))
+        return replace(self, gemm=cpu_int4_matmul.q8_head_panels(self.codes, self.scale), dense=None, packed=None)
 
     @property
     def shape(self) -> torch.Size:
@@ -129,6 +130,8 @@ class Q8Head:
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype the head serves (its embedding rows' dtype)."""
+        if self.gemm is not None:  # the GEMM takes bf16 hidden states
+            return torch.bfloat16
         weight = self.bf16_weight
         return torch.float32 if weight is None else weight.dtype
 
@@ -157,15 +160,15 @@ class Q8Head:
         rows = F.embedding(ids, self.codes).float()  # [N, D]
         n, d = rows.shape
         rows = (rows.view(n, d // GROUP, GROUP) * F.embedding(ids, self.scale)[..., None]).view(n, d)
-        return rows if self.packed is None else rows.to(self.packed.dtype)
+        return rows.to(self.dtype)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, D] -> logits [S, V] float32."""
+        if self.gemm is not None:  # every row count: a row's logits whatever its step holds
+            y = cpu_int4_matmul.matmul_q8_head(hidden, self.gemm)
+            if y is not None:
+                return y
         if self.bf16_weight is not None:
-            if self.gemm is not None:  # every row count: a row's logits whatever its step holds
-                y = cpu_int4_matmul.matmul_q8_head(hidden, self.gemm)
-                if y is not None:
-                    return y
             rows = hidden.shape[0]
             if rows < BF16_KERNEL_BELOW_ROWS:
                 y = cpu_int4_matmul.matmul_int8_bf16(hidden, self.codes, self.scale)
