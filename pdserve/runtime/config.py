@@ -140,8 +140,8 @@ class EngineConfig:
     # With the dense copy, prompt rows of bf16 4-bit projections run the int8-input VNNI GEMM that
     # generated rows run, where it is kept (AVX512-VNNI, no AMX: Int4Linear.keep_dense_copy), instead of
     # the copy: a prompt token's projections 1.25x faster on Zen 4, at llama.cpp's arithmetic (its Q4_1
-    # times Q8_1 inputs; README.md perplexity 51.27 against the copy's 51.15). Resolved by
-    # engine_args (--int8-prompts).
+    # times Q8_1 inputs; README.md perplexity 51.27 against the copy's 51.15); there no copy is kept
+    # (nothing reads it). Resolved by engine_args (--int8-prompts).
     int8_prompts: bool = False
     # Threads of the one-call C decode step (runtime.kernels.cpu_decode_step: decode steps of few
     # sequences on the CPU); 0: the engine thread's torch count, or under `pdserve up` the host's core

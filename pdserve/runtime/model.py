@@ -236,7 +236,7 @@ class LlamaModel:
 
     def keep_dense_copies(self, int8_prompts: bool = False) -> None:
         """Packed projections keep their dequantized weights for prefill chunks (quant.linear.keep_dense_copy;
-        `int8_prompts`: prompt rows on the int8-input GEMM instead where it runs)."""
+        `int8_prompts`: every row on the int8-input kernels instead where they run, no copy kept)."""
         for layer in self.layers:
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 keep_dense_copy(linear, int8_prompts)
