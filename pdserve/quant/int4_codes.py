@@ -107,6 +107,15 @@ def weights_for(checkpoint, config) -> tuple[dict[str, torch.Tensor | Int4Codes]
     return resolve(checkpoint, config)
 
 
+def engine_weights(checkpoint, config) -> tuple[dict[str, object], str]:
+    """`weights_for`'s, with the output head (and tied embedding) kept as the engine keeps it
+    (quant.q8_head.pack_head): what Engine.from_checkpoint runs, and every rank of a pipeline."""
+    from pdserve.quant.q8_head import pack_head
+
+    weights, weight_format = weights_for(checkpoint, config)
+    return pack_head(weights, checkpoint, config, weight_format), weight_format
+
+
 def pack_weights(weights: dict[str, torch.Tensor], config, act_dtype: torch.dtype,
                  from_file: dict[str, Int4Codes] | None = None,
                  rtn_others: bool = True, exact_inputs: bool = False) -> dict[str, torch.Tensor | Int4Codes]:

@@ -84,6 +84,12 @@ class RowKinds:
         return cls(generated.nonzero().flatten(), (~generated).nonzero().flatten())
 
 
+def token_kinds_of(generated: torch.Tensor | None) -> contextlib.AbstractContextManager[None]:
+    """`token_kinds` of a forward's rows, `generated` [N] bool (AttentionMetadata.generated_rows; None:
+    untold, the projections then choose by row count)."""
+    return token_kinds(None if generated is None else RowKinds.of(generated))
+
+
 @contextlib.contextmanager
 def token_kinds(rows: RowKinds | None) -> Iterator[None]:
     """Within it, Int4Linear calls in fp32 run `rows.generated` on the kernel, `rows.prompt` dense."""
@@ -231,26 +237,24 @@ class Int4Linear:
         y[kinds.generated] = generated(x[kinds.generated])
         return y
 
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] bf16 on the VNNI GEMM where it is kept (each row's bits its own, at any row count);
+        None where it is not, or declines x."""
+        return None if self.q8_gemm is None else cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
+
     def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Prompt tokens' rows beside a dense copy: the VNNI GEMM however few where `int8_prompts` (its rows'
-        bits depend on neither the call's other rows nor its row count), else the copy's exact products."""
-        if self.int8_prompts:
-            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
-            if y is not None:
-                return y
-        return self._dense(x)
+        """Prompt tokens' rows: the VNNI GEMM however few where `int8_prompts`, else the copy's exact
+        products however few. Either way the same call at any row count: a prompt's chunk of 1-4 tokens (a
+        short prompt, a chunked one's tail, the rest after a cached prefix) took the `q8` kernel before, so
+        its arithmetic, and its first generated token, depended on how the scheduler cut the prompts."""
+        y = self._gemm(x) if self.int8_prompts else None
+        return self._dense(x) if y is None else y
 
     def _bf16_generated(self, x: torch.Tensor) -> torch.Tensor:
-        """Generated tokens' rows beside a dense copy: the VNNI GEMM from 5 rows where it is kept (the `q8`
-        kernel's sums, which fewer rows take), else by their count. Prompt rows take the copy however few
-        (`__call__`): a prompt's chunk of 1-4 tokens (a short prompt, a chunked one's tail, the rest after a
-        cached prefix) took the `q8` kernel's int8 inputs before, so its arithmetic, and its first generated
-        token, depended on how the scheduler cut and batched the prompts."""
-        if self.q8_gemm is not None and x.shape[0] >= cpu_int4_matmul.BF16_Q8_BELOW_ROWS:
-            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
-            if y is not None:
-                return y
-        return self._bf16_by_count(x)
+        """Generated tokens' rows beside a dense copy (or with `int8_prompts`): the VNNI GEMM from 5 rows
+        where it is kept (the `q8` kernel's sums, which fewer rows take), else by their count."""
+        y = self._gemm(x) if x.shape[0] >= cpu_int4_matmul.BF16_Q8_BELOW_ROWS else None
+        return self._bf16_by_count(x) if y is None else y
 
     def _fp32_by_count(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 by its row count: the C kernel below `dense_from_rows`, else dense."""
@@ -268,10 +272,9 @@ class Int4Linear:
             y = cpu_int4_matmul.matmul_amx(x, self.amx, self.scales_and_zeros, self.out_features, self.amx_bias)
             if y is not None:
                 return y
-        if self.int8_prompts:  # no dense copy kept (`keep_dense_copy`): every row count on the int8 kernels
-            y = cpu_int4_matmul.matmul_q8_gemm(x, self.q8_gemm, self.q8.bias)
-            if y is not None:
-                return y
+        y = self._gemm(x) if self.int8_prompts else None  # no dense copy kept: the int8 kernels at every count
+        if y is not None:
+            return y
         if self.amx is not None or self.packed is None or m >= self.dense_from_rows:
             return self._dense(x)
         xs = x.contiguous() if self.planes == 1 else torch.cat([x] * self.planes, dim=-1)  # [M, P K]
@@ -377,9 +380,9 @@ class Int4Linear:
         `int8_prompts`: where the VNNI GEMM is kept, every bf16 row runs the int8 kernels (prompt rows the
         GEMM, `_prompt_rows`; rows of no told kind too, `_bf16_by_count`), so nothing would read the copy and
         none is kept (SmolLM2: 212 MB less a worker)."""
-        if self.mins is None and int8_prompts:
+        if self.mins is None:
             self._keep_q8_gemm()
-            self.int8_prompts = self.q8_gemm is not None
+            self.int8_prompts = int8_prompts and self.q8_gemm is not None
             if self.int8_prompts:
                 return
         self.dense = self.dequantized()
@@ -392,7 +395,6 @@ class Int4Linear:
             if packed is not None:
                 self.dense = packed
                 self.dense_from_rows = min(self.dense_from_rows, DENSE_PACKED_FROM_ROWS)
-            self._keep_q8_gemm()
 
     def _keep_q8_gemm(self) -> None:
         """With the dense copy, on a CPU with AVX512-VNNI and no AMX: the VNNI GEMM takes the generated

@@ -167,12 +167,10 @@ class Engine:
     def from_checkpoint(cls, checkpoint, config: EngineConfig | None = None, fingerprint: str | None = None,
                         speculative: SpeculativeConfig | None = None) -> "Engine":
         """An engine on `checkpoint`'s weights, its projections packed as `config.weight_format` says."""
-        from pdserve.quant.int4_codes import weights_for
-        from pdserve.quant.q8_head import pack_head
+        from pdserve.quant.int4_codes import engine_weights
 
         config = config or EngineConfig()
-        weights, weight_format = weights_for(checkpoint, config)
-        weights = pack_head(weights, checkpoint, config, weight_format)
+        weights, weight_format = engine_weights(checkpoint, config)
         engine = cls(checkpoint.config, weights, fingerprint or checkpoint.fingerprint, config,
                      tokenizer=checkpoint.tokenizer, speculative=speculative)
         engine.weight_format = weight_format

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from pdserve.quant.int4_cpu import RowKinds, token_kinds
+from pdserve.quant.int4_cpu import token_kinds_of
 from pdserve.quant.linear import Linear, as_linear, fused_linear, keep_dense_copy
 from pdserve.runtime.arch import LinearSite
 from pdserve.runtime.attention import AttentionMetadata, OutputRows, RowSplit, split_generated_decodes
@@ -315,8 +315,7 @@ class LlamaModel:
         by layer; writes the step's KV."""
         attend = PagedAttention(self.kernels, meta, kv_cache, self.scale)
         residual = None
-        kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
-        with token_kinds(kinds):  # int4: generated tokens on the int8 kernels, prompt tokens dense
+        with token_kinds_of(meta.generated_rows):  # int4: each token kind on its kernel
             for i, layer in enumerate(self.layers):
                 if kept is not None and i == len(self.layers) - 1:
                     hidden, residual = self._last_layer_kept(layer, hidden, residual, positions, attend, kept)
@@ -339,7 +338,7 @@ class LlamaModel:
         if not len(rows):  # a chunk that samples nothing: its K/V was all the step needed
             return residual[:0], residual[:0]
         generated = attend.meta.generated_rows
-        with token_kinds(None if generated is None else RowKinds.of(generated[rows])):
+        with token_kinds_of(None if generated is None else generated[rows]):
             return layer.mlp(out, residual[rows])
 
     def one_call_decode_step(self) -> DecodeStepPlan | None:

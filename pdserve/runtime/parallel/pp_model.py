@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.quant.int4_cpu import RowKinds, token_kinds
+from pdserve.quant.int4_cpu import token_kinds_of
 from pdserve.runtime.attention import AttentionMetadata
 from pdserve.runtime.config import EngineConfig, ModelConfig
 from pdserve.runtime.model import LlamaModel, PagedAttention
@@ -83,8 +83,7 @@ class StageModel:
             hidden, residual = m.embed_tokens(input_ids), None  # [n, D]
         else:
             hidden, residual = carried[0], carried[1]
-        kinds = None if meta.generated_rows is None else RowKinds.of(meta.generated_rows)
-        with token_kinds(kinds):  # int4: generated tokens on their kernels, prompt tokens on theirs, as one process
+        with token_kinds_of(meta.generated_rows):  # int4: each token kind on its kernel, as one process
             for layer in m.layers:
                 hidden, residual = layer(hidden, residual, positions, attend)
         if self.layout.is_last:

@@ -115,12 +115,9 @@ def stage_weights(config: ModelConfig, weights: dict, layout: StageLayout) -> di
 
 
 def pipeline_weights(checkpoint, engine: EngineConfig, tensor_parallel_size: int) -> dict:
-    """The weights of the whole model as every rank of a pipeline loads them, packed as one process's
-    engine packs them (Engine.from_checkpoint): the projections as `engine.weight_format` resolves, the
-    head kept 8-bit where one process keeps it (quant.q8_head.pack_head), but where tensor parallelism
-    splits the vocabulary over a stage's ranks (the head then stays a matrix to split)."""
-    from pdserve.quant.int4_codes import weights_for
-    from pdserve.quant.q8_head import pack_head
+    """The weights of the whole model as every rank of a pipeline loads them: one process's engine's
+    (`engine_weights`: the head kept 8-bit where it keeps it), but where tensor parallelism splits the
+    vocabulary over a stage's ranks (the head then stays a matrix to split: `weights_for`'s)."""
+    from pdserve.quant.int4_codes import engine_weights, weights_for
 
-    weights, weight_format = weights_for(checkpoint, engine)
-    return weights if tensor_parallel_size > 1 else pack_head(weights, checkpoint, engine, weight_format)
+    return (weights_for if tensor_parallel_size > 1 else engine_weights)(checkpoint, engine)[0]
