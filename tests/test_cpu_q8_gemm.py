@@ -34,6 +34,35 @@ def _gemm(x, codes, scale, mins, bias=None):
     return kernel.matmul_q8_gemm(x, kernel.q8_gemm_panels(_nibbles(codes), scale, mins), bias)
 
 
+def _quantized_in_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_1 of bf16 rows in fp32 torch: d = max |x| / 127 a group of 32, codes x * (1 / d)
+    rounded half to even, xsum = d times the codes' sum."""
+    m, k = x.shape
+    groups = x.float().view(m, k // 32, 32)
+    d = groups.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(groups * inv[..., None])
+    return codes.to(torch.int8).view(m, k), d, codes.sum(-1) * d
+
+
+def test_the_inputs_quantization_is_torchs_bit_for_bit():
+    """The vectorized quantization every GEMM call starts with: the same codes, scales and sums as the
+    fp32 arithmetic it replaced (torch's here), ties rounded half to even, zero groups, extreme values."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 576, generator=gen) * torch.logspace(-6, 6, 7)[:, None]).bfloat16()
+    x[1, 32:64] = 0  # a zero group: d 0, codes 0
+    x[2, :32] = torch.tensor([127.0, -2.5, 3.5, -0.5, 0.5, 1.5] + [64.5] * 26)  # d = 1: ties at .5
+    x[3, 64:96] = torch.tensor([3.0e38, -1.0e-38] * 16)
+    if not GEMM:
+        assert kernel.q8_gemm_inputs(x) is None
+        return
+    xq, xd, xsum = kernel.q8_gemm_inputs(x)
+    want_q, want_d, want_sum = _quantized_in_torch(x)
+    assert torch.equal(xq, want_q)
+    assert torch.equal(xd, want_d) and torch.equal(xsum, want_sum)
+    assert xq[2, :6].tolist() == [127, -2, 4, 0, 0, 2]
+
+
 def test_the_panels_hold_each_code_and_scale_where_the_kernel_reads_it():
     gen = torch.Generator().manual_seed(1)
     codes, scale, mins = _random_int4(48, 96, gen)

@@ -65,6 +65,8 @@ _INT4_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
 # x, m, k, x_stride; codes, scale, mins; n, y, y_stride, threads (int4_q8_gemm.c's 8-bit codes)
 _Q8_HEAD_GEMM_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+# x, m, k, x_stride; xq, xd, xsum (int4_q8_gemm.c's input quantization, for tests)
+_Q8_QUANTIZE_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
 # x, m, k, x_stride; codes, scale_zero, bias; n, y, y_stride, threads (int4_amx.c)
 _AMX_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
@@ -193,6 +195,7 @@ def library() -> ctypes.CDLL | None:
     lib.int4_q8_gemm_available.argtypes, lib.int4_q8_gemm_available.restype = [], ctypes.c_int
     lib.int4_amx_linear_threads.argtypes, lib.int4_amx_linear_threads.restype = _AMX_LINEAR_ARGS, ctypes.c_int
     lib.int8_q8_gemm_threads.argtypes, lib.int8_q8_gemm_threads.restype = _Q8_HEAD_GEMM_ARGS, ctypes.c_int
+    lib.q8_quantize_bf16.argtypes, lib.q8_quantize_bf16.restype = _Q8_QUANTIZE_ARGS, ctypes.c_int
     return lib
 
 

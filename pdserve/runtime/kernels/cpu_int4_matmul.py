@@ -159,6 +159,21 @@ def q8_gemm_available() -> bool:
     return lib is not None and bool(lib.int4_q8_gemm_available())
 
 
+def q8_gemm_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The VNNI GEMM's int8 quantization of x [M, K] bf16 (K a multiple of 32), as its calls take it:
+    codes [M, K] int8, xd [M, K/32] (max |x| / 127 a group) and xsum [M, K/32] (xd times the codes' sum).
+    For tests; None where the GEMM is not built."""
+    if not q8_gemm_available():
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8)
+    xd, xsum = torch.empty(m, k // GROUP), torch.empty(m, k // GROUP)
+    if cpu_attention.library().q8_quantize_bf16(x.data_ptr(), m, k, k, xq.data_ptr(), xd.data_ptr(), xsum.data_ptr()):
+        raise MemoryError("q8_quantize_bf16: no scratch")
+    return xq, xd, xsum
+
+
 def q8_gemm_panels(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> Q8GemmWeights:
     """The GEMM's layout of w[n, k] = q[n, k] * scale[n, k/32] + mins[n, k/32] (nibbles [N, K/2]: byte
     j holds codes 2j, 2j + 1): codes [N/16, K/8, 16, 4] uint8, byte i of lane l of block j holding input
