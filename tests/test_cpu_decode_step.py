@@ -205,15 +205,14 @@ def test_a_bf16_step_of_five_sequences_runs_eagerly_unless_the_cpu_has_amx(smoll
     assert trace["c_steps"] == (2 if cpu_int4_matmul.amx_available() else 0)  # the steps after the prompts
 
 
-@pytest.mark.parametrize("batch,threads,arrive_every", [(6, 1, 0), (17, 2, 0), (7, 1, 3)])
+@pytest.mark.parametrize("batch,threads,arrive_every", [(3, 1, 0), (6, 1, 0), (17, 2, 0), (7, 1, 3)])
 def test_a_bf16_step_of_more_sequences_runs_in_c_on_the_vnni_gemm_with_the_eager_bits(
         smollm2_bf16, batch, threads, arrive_every, monkeypatch):
     """A worker's engine (the dense copy) on a CPU with AVX512-VNNI and no AMX keeps the VNNI GEMM's copy
-    of each projection: decode steps of any size run in C, those of 5 or more sequences on the GEMM as the
-    eager step's (split over two threads by pairs of 16-output panels, one part a thread: each part
-    quantizes the inputs, as each thread of the eager call does). Prompts arriving every 3 steps share
-    steps with decodes: the decode rows run in C (the GEMM from 5 of them), the prompt's eagerly on
-    the dense copy. Elsewhere (AMX, or no VNNI) there is no GEMM's copy and the plan says so."""
+    of each projection: decode steps of any size run in C, their projections on the GEMM as the eager
+    step's however few the sequences (split over two threads by pairs of 16-output panels, one part a
+    thread: each part quantizes the inputs, as each thread of the eager call does). Prompts arriving every
+    3 steps share steps with decodes: the decode rows run in C, the prompt's eagerly on the dense copy. Elsewhere (AMX, or no VNNI) there is no GEMM's copy and the plan says so."""
     prompts = [smollm2_bf16.tokenizer.encode(f"Tell me about the sea, number {i}." + " And the ships." * (i % 4))
                for i in range(batch)]
     with torch_threads(threads):

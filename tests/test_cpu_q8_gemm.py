@@ -144,9 +144,9 @@ def _generated(rows: int, every: int = 1) -> torch.Tensor:
     return mask
 
 
-def test_a_bf16_int4_linear_runs_generated_rows_on_it_and_other_rows_dense():
-    """With the dense copy, in a forward, generated tokens' rows (5 or more) take the GEMM, fewer the
-    few-row kernel (the same sums); prompt rows, and rows of no told kind (outside a forward), the copy;
+def test_a_bf16_int4_linear_runs_generated_rows_on_it_and_other_rows_dense(monkeypatch):
+    """With the dense copy, in a forward, generated tokens' rows take the GEMM however few (one row as
+    eighty); prompt rows, and rows of no told kind (outside a forward), the copy;
     a mixed step splits its rows, each kind's bits whatever the other's rows. Without the copy nothing
     changes (torch's packing kept)."""
     lin = _linear(96, 64, seed=8)
@@ -158,14 +158,16 @@ def test_a_bf16_int4_linear_runs_generated_rows_on_it_and_other_rows_dense():
         return
     assert lin.q8_gemm is not None and lin.packed is None  # torch's packing is not kept beside it
     q8 = lin.q8
-    for rows in (BF16_Q8_BELOW_ROWS, 17, 80):
+    few_row_calls = []
+    few_row_kernel = kernel.matmul_bf16
+    monkeypatch.setattr(kernel, "matmul_bf16", lambda *a: few_row_calls.append(a) or few_row_kernel(*a))
+    for rows in (1, BF16_Q8_BELOW_ROWS - 1, BF16_Q8_BELOW_ROWS, 17, 80):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         with int4_cpu.token_kinds(int4_cpu.RowKinds.of(_generated(rows))):
             assert torch.equal(lin(x), kernel.matmul_q8_gemm(x, lin.q8_gemm, q8.bias))
-        assert torch.equal(lin(x), F.linear(x, lin.dequantized(), lin.bias))  # no kind told: the copy
-    x = torch.randn(BF16_Q8_BELOW_ROWS - 1, 64, generator=gen).bfloat16()
-    with int4_cpu.token_kinds(int4_cpu.RowKinds.of(_generated(len(x)))):
-        assert torch.equal(lin(x), kernel.matmul_bf16(x, q8.nibbles, q8.scale, q8.mins, q8.bias))
+        assert not few_row_calls, rows  # one row as many: the GEMM, not the few-row kernel
+        if rows >= BF16_Q8_BELOW_ROWS:  # no kind told: by the count (the copy from 5 rows)
+            assert torch.equal(lin(x), F.linear(x, lin.dequantized(), lin.bias))
     x = torch.randn(40, 64, generator=gen).bfloat16()
     generated = _generated(40, every=3)  # 14 generated rows among 26 prompt rows
     with int4_cpu.token_kinds(int4_cpu.RowKinds.of(generated)):

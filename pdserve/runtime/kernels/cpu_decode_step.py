@@ -17,7 +17,7 @@ kernel (larger ones take torch's matmuls), on a CPU with AMX-BF16 those of fewer
 AMX_BELOW_ROWS, whose projections the eager step runs on the AMX kernel (int4_amx.c) and SiLU in C,
 and on a CPU with AVX512-VNNI and no AMX, where the projections keep the VNNI GEMM's copy
 (`Int4Linear.q8_gemm`: a worker's dense copy brings it), every step of generated tokens, whose
-projections of BF16_Q8_BELOW_ROWS rows or more the eager step runs on that GEMM (int4_q8_gemm.c).
+projections the eager step runs on that GEMM (int4_q8_gemm.c) at any row count.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class DecodeStepPlan:
     # to AMX_BELOW_ROWS - 1 sequences run here too, their projections on it as the eager step's do
     amx: bool = False
     # bf16: every projection has the VNNI GEMM's copy (Int4Linear.q8_gemm), so steps of generated tokens
-    # of any size run here, those of BF16_Q8_BELOW_ROWS or more on the GEMM as the eager step's do
+    # of any size run here, their projections on the GEMM as the eager step's are
     q8_gemm: bool = False
 
     @classmethod
@@ -191,7 +191,7 @@ class DecodeStepPlan:
                            kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], block_size_of(kv_cache),
                            tables.data_ptr(), tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
                            int(self.dtype == torch.bfloat16), BF16_Q8_BELOW_ROWS if self.amx else 0,
-                           int(kv_cache.dtype == torch.int8), BF16_Q8_BELOW_ROWS if self.q8_gemm else 0)
+                           int(kv_cache.dtype == torch.int8), int(self.q8_gemm))
         loaded = ctypes.c_int64(0)
         err = cpu_attention.library().decode_step(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), self.threads.next(), ctypes.byref(loaded))
