@@ -216,7 +216,7 @@ def test_a_smollm2_decode_step_on_it_follows_the_dense_copys(smollm2_bf16):
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 37])
 def test_8bit_codes_compute_the_quantized_sums_and_each_rows_bits_are_its_own(rows):
-    """The head's 8-bit codes (`q8_head_panels`, stored + 128 with mins -128 scale): the quantized sums of the
+    """The head's 8-bit codes (`q8_head_panels`, stored + 128): the quantized sums of the
     codes themselves to fp32 rounding; a row alone, or on two threads, gives the same bits as in the call."""
     gen = torch.Generator().manual_seed(rows)
     n, k = 96, 192

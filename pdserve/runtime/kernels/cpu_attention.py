@@ -62,8 +62,8 @@ KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
 # x, m, k, x_stride; codes, scale, mins, bias; n, y, y_stride, threads (the `_threads` entry points)
 _INT4_LINEAR_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-# x, m, k, x_stride; codes, scale, mins; n, y, y_stride, threads (int4_q8_gemm.c's 8-bit codes)
-_Q8_HEAD_GEMM_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [
+# x, m, k, x_stride; codes, scale; n, y, y_stride, threads (int4_q8_gemm.c's 8-bit codes)
+_Q8_HEAD_GEMM_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [
     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 # x, m, k, x_stride; xq, xd, xsum (int4_q8_gemm.c's input quantization, for tests)
 _Q8_QUANTIZE_ARGS = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3

@@ -192,15 +192,15 @@ def q8_gemm_panels(nibbles: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
 
 @dataclass(frozen=True, slots=True)
 class Q8GemmWeights:
-    """A 4-bit projection in the VNNI GEMM's layout (`q8_gemm_panels`)."""
+    """A 4-bit projection in the VNNI GEMM's layout (`q8_gemm_panels`), or 8-bit codes (`q8_head_panels`)."""
 
-    codes: torch.Tensor  # [N / 16, K / 8, 16, 4] uint8, two codes a byte
+    codes: torch.Tensor  # [N / 16, K / 8, 16, 4] uint8, two codes a byte; 8-bit: [N / 16, K / 4, 16, 4]
     scale: torch.Tensor  # [N / 16, K / 32, 16] fp32
-    mins: torch.Tensor  # [N / 16, K / 32, 16] fp32
+    mins: torch.Tensor | None  # [N / 16, K / 32, 16] fp32; None for 8-bit codes (symmetric)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins) if t is not None)
 
 
 def matmul_q8_gemm(x: torch.Tensor, weights: Q8GemmWeights, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -218,7 +218,7 @@ def matmul_q8_gemm(x: torch.Tensor, weights: Q8GemmWeights, bias: torch.Tensor |
 def q8_head_panels(codes: torch.Tensor, scale: torch.Tensor) -> Q8GemmWeights:
     """The VNNI GEMM's layout of 8-bit codes w[n, k] = codes[n, k] * scale[n, k/32] (codes [N, K] int8 in
     -127..127, a Q8_0 head): codes + 128 as [N/16, K/4, 16, 4] uint8, byte i of lane l of block j holding
-    input 4j + i of output 16 panel + l; scale and mins = -128 scale as [N/16, K/32, 16] (int4_q8_gemm.c)."""
+    input 4j + i of output 16 panel + l; scale as [N/16, K/32, 16] (int4_q8_gemm.c); no mins."""
     n, k = codes.shape
     shifted = codes.view(torch.uint8) ^ 0x80  # [N, K]: q + 128 (two's complement), no wider temporary
     panels = shifted.view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // 4, 4).permute(0, 2, 1, 3).contiguous()
@@ -226,7 +226,7 @@ def q8_head_panels(codes: torch.Tensor, scale: torch.Tensor) -> Q8GemmWeights:
     def by_panel(t: torch.Tensor) -> torch.Tensor:
         return t.float().view(n // Q8_GEMM_PANEL, Q8_GEMM_PANEL, k // GROUP).transpose(1, 2).contiguous()
 
-    return Q8GemmWeights(panels, by_panel(scale), by_panel(-128 * scale.float()))
+    return Q8GemmWeights(panels, by_panel(scale), None)
 
 
 def matmul_q8_head(x: torch.Tensor, weights: Q8GemmWeights) -> torch.Tensor | None:
@@ -237,7 +237,7 @@ def matmul_q8_head(x: torch.Tensor, weights: Q8GemmWeights) -> torch.Tensor | No
             and q8_gemm_available()):
         return None
     n = weights.codes.shape[0] * Q8_GEMM_PANEL
-    w = (weights.codes.data_ptr(), weights.scale.data_ptr(), weights.mins.data_ptr())
+    w = (weights.codes.data_ptr(), weights.scale.data_ptr())
     return _over_output_rows(x, n, cpu_attention.library().int8_q8_gemm_threads, w)
 
 

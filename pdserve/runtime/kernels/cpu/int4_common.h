@@ -60,11 +60,12 @@ typedef struct {
     int8_t* xq;
     float* xd;
     float* xsum;
+    int32_t* qsum;  // [M, K / 32] the codes' sums (int4_q8_gemm.c's 8-bit tiles; NULL from q8_inputs)
 } Q8Inputs;
 
 static inline Q8Inputs q8_inputs(const float* x, int64_t m, int64_t k, int64_t x_stride, int64_t in_order) {
     const int64_t groups = k / GROUP;
-    Q8Inputs q = {malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * groups)), NULL, NULL};
+    Q8Inputs q = {malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * groups)), NULL, NULL, NULL};
     if (q.xq == NULL) return q;
     q.xd = (float*)(q.xq + m * k);  // m * k is a multiple of 32: aligned for floats
     q.xsum = q.xd + m * groups;

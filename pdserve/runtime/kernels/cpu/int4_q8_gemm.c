@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void prefetch_next_pair(const uint8
         const char* group_codes = (const char*)(codes + (b + 2 + c) * panel + g * group_bytes);
         for (int64_t i = 0; i < group_bytes; i += 64) __builtin_prefetch(group_codes + i, 0, 2);
         __builtin_prefetch(scale + ((b + 2 + c) * groups + g) * 16, 0, 2);
-        __builtin_prefetch(mins + ((b + 2 + c) * groups + g) * 16, 0, 2);
+        if (mins != NULL) __builtin_prefetch(mins + ((b + 2 + c) * groups + g) * 16, 0, 2);
     }
 }
 
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t* codes, con
 // (vcvtps2dq in the default rounding mode, as rintf), the codes' exact sum. Vectorized because the
 // scalar loop (widen, then a rintf an input) was 8 % of a 200-token prefill and 4 % of a 20-sequence
 // decode step (perf, SmolLM2 bf16 on a 2-core Zen 4).
-static inline void q8_group_bf16(const uint16_t* v, int8_t* out, float* xd, float* xsum) {
+static inline void q8_group_bf16(const uint16_t* v, int8_t* out, float* xd, float* xsum, int32_t* qsum) {
     const __m512i raw = _mm512_loadu_si512((const void*)v);  // 32 bf16
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
     const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
@@ -130,22 +130,25 @@ static inline void q8_group_bf16(const uint16_t* v, int8_t* out, float* xd, floa
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
     _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(qlo));
     _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtsepi32_epi8(qhi));
+    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     *xd = d;
-    *xsum = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)) * d;
+    *xsum = (float)*qsum * d;
 }
 
-// x [m, k] bf16 quantized as int4_linear_bf16 quantizes it (in input order), in one block of the
-// caller's (free(q.xq)); q.xq NULL where memory is short.
+// x [m, k] bf16 quantized as int4_linear_bf16 quantizes it (in input order), with the codes' sums
+// (qsum), in one block of the caller's (free(q.xq)); q.xq NULL where memory is short.
 static Q8Inputs bf16_q8_inputs(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride) {
     const int64_t groups = k / GROUP;
-    Q8Inputs q = {malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * groups)), NULL, NULL};
+    Q8Inputs q = {malloc((size_t)(m * k) + 3 * sizeof(float) * (size_t)(m * groups)), NULL, NULL, NULL};
     if (q.xq == NULL) return q;
     q.xd = (float*)(q.xq + m * k);  // m * k is a multiple of 32: aligned for floats
     q.xsum = q.xd + m * groups;
+    q.qsum = (int32_t*)(q.xsum + m * groups);
     for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++)
-            q8_group_bf16(x + r * x_stride + g * GROUP, q.xq + r * k + g * GROUP, q.xd + r * groups + g,
-                          q.xsum + r * groups + g);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t i = r * groups + g;
+            q8_group_bf16(x + r * x_stride + g * GROUP, q.xq + r * k + g * GROUP, q.xd + i, q.xsum + i, q.qsum + i);
+        }
     return q;
 }
 
@@ -207,12 +210,32 @@ int int4_q8_gemm_available(void) { return 1; }
 
 // 8-bit codes (a GGUF's Q8_0 output head, quant.q8_head): codes [N / 16, K / 4, 16, 4] uint8, byte i of
 // lane l of block j of panel b holding q + 128 (q in -127..127: vpdpbusd's unsigned operand) of output
-// 16 b + l's input 4 j + i; scale and mins [N / 16, K / 32, 16] fp32 with mins = -128 scale, so that
-// the sums above give y = sum_g scale * xd * sum q xq: the file's weights times the quantized inputs, as
-// llama.cpp runs a Q8_0 head (its inputs quantized likewise). y fp32 (logits), no bias.
-static inline __attribute__((always_inline)) void tile8(const uint8_t* codes, const float* scale, const float* mins,
-                                                        int64_t b, int nb, int64_t k, const int8_t* xq, const float* xd,
-                                                        const float* xsum, int64_t r, int nr, float* y,
+// 16 b + l's input 4 j + i; scale [N / 16, K / 32, 16] fp32. y = sum_g scale * xd * sum q xq: the file's
+// weights times the quantized inputs, as llama.cpp runs a Q8_0 head (its inputs quantized likewise).
+// y fp32 (logits), no bias.
+//
+// A group's integer sum less 128 times the inputs' codes' sum is sum q xq exactly (|.| < 2^24: its fp32
+// conversion exact too), scaled once: one fma a group, row and 16 outputs where the 4-bit tiles' finish
+// (mins = -128 scale, before) took two and read the mins, 3.5 MB more a step for SmolLM2's head. (Its two
+// terms, each about 128 times the result, cancelled in fp32: 2e-7 of the largest output off the float64
+// sums against 1.2e-7 now.)
+static inline __attribute__((always_inline)) void finish_group8(__m512 acc[ROWS][2], __m512i dot[ROWS][2],
+                                                                const float* scale, int64_t b, int nb,
+                                                                int64_t groups, int64_t g, const float* xd,
+                                                                const int32_t* qsum, int64_t r, int nr) {
+    for (int c = 0; c < nb; c++) {
+        const __m512 s = _mm512_loadu_ps(scale + ((b + c) * groups + g) * 16);
+        for (int i = 0; i < nr; i++) {
+            const __m512i offset = _mm512_set1_epi32(128 * qsum[(r + i) * groups + g]);
+            const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xd[(r + i) * groups + g]));
+            acc[i][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i][c], offset)), sx, acc[i][c]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile8(const uint8_t* codes, const float* scale, int64_t b, int nb,
+                                                        int64_t k, const int8_t* xq, const float* xd,
+                                                        const int32_t* qsum, int64_t r, int nr, float* y,
                                                         int64_t y_stride, int next) {
     const int64_t groups = k / GROUP, panel = k * 16;
     __m512 acc[ROWS][2];
@@ -220,7 +243,7 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t* codes, co
     for (int64_t g = 0; g < groups; g++) {
         __m512i dot[ROWS][2];
         zero_si(dot, nr, nb);
-        prefetch_next_pair(codes, scale, mins, b, next, panel, GROUP * 16, groups, g);
+        prefetch_next_pair(codes, scale, NULL, b, next, panel, GROUP * 16, groups, g);
         for (int j = 0; j < GROUP / 4; j++) {
             __m512i w[2];
             for (int c = 0; c < nb; c++)
@@ -230,22 +253,23 @@ static inline __attribute__((always_inline)) void tile8(const uint8_t* codes, co
                 for (int c = 0; c < nb; c++) dot[i][c] = _mm512_dpbusd_epi32(dot[i][c], w[c], x);
             }
         }
-        finish_group(acc, dot, scale, mins, b, nb, groups, g, xd, xsum, r, nr);
+        finish_group8(acc, dot, scale, b, nb, groups, g, xd, qsum, r, nr);
     }
     for (int i = 0; i < nr; i++)
         for (int c = 0; c < nb; c++) _mm512_storeu_ps(y + (r + i) * y_stride + (b + c) * 16, acc[i][c]);
 }
 
-#define TILE8(NR, NB) tile8(codes, scale, mins, b, NB, k, xq, xd, xsum, r, NR, y, y_stride, next)
+#define TILE8(NR, NB) tile8(codes, scale, b, NB, k, xq, xd, qsum, r, NR, y, y_stride, next)
 #define TILE8_ROWS(NB) BY_ROWS(TILE8, NB)
 
 // Outputs [n0, n1) (multiples of 16) of every row of x [m, k] bf16, as int4_q8_gemm_part quantizes them.
 int int8_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                      const float* scale, const float* mins, int64_t n0, int64_t n1, float* y, int64_t y_stride) {
+                      const float* scale, int64_t n0, int64_t n1, float* y, int64_t y_stride) {
     const Q8Inputs q = bf16_q8_inputs(x, m, k, x_stride);
     if (q.xq == NULL) return -1;
     const int8_t* xq = q.xq;
-    const float *xd = q.xd, *xsum = q.xsum;
+    const float* xd = q.xd;
+    const int32_t* qsum = q.qsum;
     FOR_TILES(TILE8_ROWS)
     free(q.xq);
     return 0;
@@ -254,9 +278,8 @@ int int8_q8_gemm_part(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride,
 // x [m, k] bf16 -> y [m, n] fp32 over 8-bit codes (tile8), outputs split over `threads` parts of whole pairs
 // of panels. n a multiple of 16, k of 32. Returns 0, or -1 without scratch.
 int int8_q8_gemm_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                         const float* scale, const float* mins, int64_t n, float* y, int64_t y_stride,
-                         int64_t threads) {
-    LINEAR_THREADS_ALIGNED(32, int8_q8_gemm_part(x, m, k, x_stride, codes, scale, mins, n0, n1, y, y_stride))
+                         const float* scale, int64_t n, float* y, int64_t y_stride, int64_t threads) {
+    LINEAR_THREADS_ALIGNED(32, int8_q8_gemm_part(x, m, k, x_stride, codes, scale, n0, n1, y, y_stride))
 }
 
 // x [m, k] bf16 (row stride x_stride) -> y [m, n] bf16 (row stride y_stride), outputs split over
@@ -274,8 +297,7 @@ int q8_quantize_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, 
 }
 
 int int8_q8_gemm_threads(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* codes,
-                         const float* scale, const float* mins, int64_t n, float* y, int64_t y_stride,
-                         int64_t threads) {
+                         const float* scale, int64_t n, float* y, int64_t y_stride, int64_t threads) {
     return -2;
 }
 
