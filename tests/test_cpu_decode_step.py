@@ -212,7 +212,8 @@ def test_a_bf16_step_of_more_sequences_runs_in_c_on_the_vnni_gemm_with_the_eager
     of each projection: decode steps of any size run in C, their projections on the GEMM as the eager
     step's however few the sequences (split over two threads by pairs of 16-output panels, one part a
     thread: each part quantizes the inputs, as each thread of the eager call does). Prompts arriving every
-    3 steps share steps with decodes: the decode rows run in C, the prompt's eagerly on the dense copy. Elsewhere (AMX, or no VNNI) there is no GEMM's copy and the plan says so."""
+    3 steps share steps with decodes: the decode rows run in C, the prompt's eagerly on the dense copy.
+    Elsewhere (AMX, or no VNNI) there is no GEMM's copy and the plan says so."""
     prompts = [smollm2_bf16.tokenizer.encode(f"Tell me about the sea, number {i}." + " And the ships." * (i % 4))
                for i in range(batch)]
     with torch_threads(threads):

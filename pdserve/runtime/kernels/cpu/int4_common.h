@@ -1,6 +1,7 @@
 // What the 4- and 8-bit weight kernels share: int4_matmul.c (int8 inputs) and int4_exact.c (fp32
 // inputs as they are) read the same codes, scales and mins (layouts: int4_matmul.c's head comment);
-// int4_matmul.c and int4_q8_gemm.c quantize their inputs to int8 alike (`q8_inputs`).
+// int4_matmul.c and int4_q8_gemm.c quantize their inputs to int8 alike (`q8_inputs`; int4_q8_gemm.c's
+// bf16 rows in AVX-512, `q8_group_bf16`, with the same bits).
 #ifndef PDSERVE_INT4_COMMON_H
 #define PDSERVE_INT4_COMMON_H
 
