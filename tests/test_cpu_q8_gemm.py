@@ -53,6 +53,9 @@ def test_the_inputs_quantization_is_torchs_bit_for_bit():
     x[1, 32:64] = 0  # a zero group: d 0, codes 0
     x[2, :32] = torch.tensor([127.0, -2.5, 3.5, -0.5, 0.5, 1.5] + [64.5] * 26)  # d = 1: ties at .5
     x[3, 64:96] = torch.tensor([3.0e38, -1.0e-38] * 16)
+    for wrong in (x.float(), x[:, :40]):  # fp32 rows, K not a multiple of 32: refused, not misread
+        with pytest.raises(ValueError, match="multiple of 32"):
+            kernel.q8_gemm_inputs(wrong)
     if not GEMM:
         assert kernel.q8_gemm_inputs(x) is None
         return

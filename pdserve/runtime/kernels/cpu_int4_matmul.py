@@ -163,6 +163,8 @@ def q8_gemm_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """The VNNI GEMM's int8 quantization of x [M, K] bf16 (K a multiple of 32), as its calls take it:
     codes [M, K] int8, xd [M, K/32] (max |x| / 127 a group) and xsum [M, K/32] (xd times the codes' sum).
     For tests; None where the GEMM is not built."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] % GROUP == 0):
+        raise ValueError(f"bf16 rows [M, K] with K a multiple of {GROUP} expected, got {x.dtype} {tuple(x.shape)}")
     if not q8_gemm_available():
         return None
     x = x.contiguous()
