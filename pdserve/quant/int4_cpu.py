@@ -135,11 +135,12 @@ class Int4Linear:
     `q8_gemm` (the VNNI GEMM's copy, `cpu_int4_matmul.q8_gemm_panels`) comes with the dense copy on a CPU
     with AVX512-VNNI and no AMX, and replaces torch's packing: in a forward, generated tokens' rows run on
     it however few, so a generated token's projections are the same sums whatever its step holds. With a
-    dense copy (any CPU) a forward's prompt tokens' rows take it however few (exact bf16 products) and its generated ones their kernels, a mixed step split by kind as fp32's
-    `token_kinds` does (`_by_kind`); rows of no told kind go by their count (`_bf16_by_count`). With
-    `int8_prompts` (asked of `keep_dense_copy`, taken where the VNNI GEMM is) no copy is kept: prompt rows
-    run the GEMM however few (`_prompt_rows`: each row's bits its own, whatever the call holds), as
-    llama.cpp runs Q4_1 prompts, and rows of no told kind from 5 a call too."""
+    dense copy (any CPU) a forward's prompt tokens' rows take it however few (exact bf16 products) and
+    its generated ones their kernels, a mixed step split by kind as fp32's `token_kinds` does
+    (`_by_kind`); rows of no told kind go by their count (`_bf16_by_count`). With `int8_prompts` (asked
+    of `keep_dense_copy`, taken where the VNNI GEMM is) no copy is kept: prompt rows run the GEMM however
+    few (`_prompt_rows`: each row's bits its own, whatever the call holds), as llama.cpp runs Q4_1
+    prompts, and rows of no told kind from 5 a call too."""
 
     __slots__ = ("packed", "scales_and_zeros", "nibbles", "scale", "zero", "bias", "out_features", "in_features",
                  "dtype", "planes", "dense_from_rows", "dense", "perm", "mins", "q8", "amx", "amx_bias", "q8_gemm",
