@@ -1,4 +1,4 @@
-"""The VNNI GEMM (kernels/cpu/int4_q8_gemm.c): bf16 rows of generated tokens, 5 or more a call, of a 4-bit
+"""The VNNI GEMM (kernels/cpu/int4_q8_gemm.c): bf16 rows of generated tokens, however few, of a 4-bit
 linear, on a CPU with AVX512-VNNI and no AMX, take llama.cpp's Q4_1 x Q8_1 sums register-tiled.
 
 References: torch's emulation of the same int8 quantization of the inputs with exact integer dots

@@ -183,7 +183,7 @@ class Int4Linear:
             raise ValueError("two-plane int4 weights need the high plane's scales to be 16x the low plane's")
         self.q8 = self._q8_form(codes) if ours or few_rows else None
         # The VNNI GEMM's copy of the codes and of the Q8 form's scales (`q8_gemm_panels`), made with the
-        # dense copy (`keep_dense_copy`): bf16 rows of generated tokens, 5 or more a call, then run on it.
+        # dense copy (`keep_dense_copy`): bf16 rows of generated tokens, however few, then run on it.
         self.q8_gemm: cpu_int4_matmul.Q8GemmWeights | None = None
         self.int8_prompts = False  # every bf16 row on the int8 kernels, no dense copy kept (`keep_dense_copy`)
         # [N / 16, K / 32, 16, 16] uint8: the AMX kernel's copy of the codes (`amx_runs`), with the scales above

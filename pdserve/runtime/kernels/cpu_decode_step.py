@@ -191,7 +191,7 @@ class DecodeStepPlan:
                            kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[1], block_size_of(kv_cache),
                            tables.data_ptr(), tables.shape[1], lens.data_ptr(), model.final_norm.data_ptr(),
                            int(self.dtype == torch.bfloat16), BF16_Q8_BELOW_ROWS if self.amx else 0,
-                           int(kv_cache.dtype == torch.int8), int(self.q8_gemm))
+                           int(kv_cache.dtype == torch.int8), int(self.q8_gemm))  # GEMM from 1 row
         loaded = ctypes.c_int64(0)
         err = cpu_attention.library().decode_step(ctypes.byref(step), self.layers, hidden.data_ptr(),
                                                       out.data_ptr(), self.threads.next(), ctypes.byref(loaded))

@@ -143,7 +143,7 @@ def matmul_int8_bf16(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) 
                              (codes.data_ptr(), scale.data_ptr()))
 
 
-# Where the CPU has AVX512-VNNI and no AMX, bf16 rows of generated tokens (5 or more a call) run on the
+# Where the CPU has AVX512-VNNI and no AMX, bf16 rows of generated tokens (any count) run on the
 # VNNI GEMM (`matmul_q8_gemm`, Int4Linear): the sums of `matmul_bf16` (inputs quantized to int8 per group
 # of 32, llama.cpp's Q4_1 x Q8_1), so a generated token's projections have the same arithmetic at every
 # batch size, where steps of 8 or more took the dense bf16 copy before (the figures: int4_q8_gemm.c,

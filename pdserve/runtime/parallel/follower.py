@@ -60,18 +60,15 @@ def spec_from_json(data: bytes) -> RankSpec:
 def load_shard(spec: RankSpec) -> tuple[TensorParallelModel | StageModel, torch.Tensor, TPGroup]:
     """Loads the checkpoint, joins the group, keeps this rank's shard (its heads, or its stage's
     layers) and allocates its KV cache."""
-    from pdserve.quant.int4_codes import weights_for
     from pdserve.runtime.kv_cache import allocate_kv_cache
     from pdserve.runtime.loader import load_checkpoint
-    from pdserve.runtime.parallel.stages import pipeline_weights
+    from pdserve.runtime.parallel.stages import rank_weights
 
     checkpoint = load_checkpoint(spec.model_path, dtype=getattr(torch, spec.engine.dtype))
-    pp = spec.parallel.pipeline_parallel_size > 1
-    weights = (pipeline_weights(checkpoint, spec.engine, spec.parallel.tensor_parallel_size) if pp
-               else weights_for(checkpoint, spec.engine)[0])
+    weights = rank_weights(checkpoint, spec.engine, spec.parallel)
     group = init_group(spec.rendezvous_dir, spec.rank, spec.parallel.world_size, spec.engine.device,
                        spec.parallel.collective_timeout_s, stage_size=spec.parallel.tensor_parallel_size)
-    if pp:
+    if spec.parallel.pipeline_parallel_size > 1:
         model = StageModel(checkpoint.config, weights, group, group.device, tp_group=group.stage_group,
                            engine=spec.engine)
     else:

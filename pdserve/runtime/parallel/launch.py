@@ -188,10 +188,9 @@ def tensor_parallel_engine(model_path, engine_config: EngineConfig, parallel: Pa
     `threads`: torch CPU threads of every rank, this process's included (0: the cores / ranks);
     with `parallel.pipeline_parallel_size` M > 1 the ranks are M pipeline stages instead;
     `engine_kwargs` go to Engine.from_checkpoint."""
-    from pdserve.quant.int4_codes import weights_for
     from pdserve.runtime.engine import Engine
     from pdserve.runtime.loader import inspect_checkpoint, load_checkpoint
-    from pdserve.runtime.parallel.stages import pipeline_weights
+    from pdserve.runtime.parallel.stages import rank_weights
 
     check_split(inspect_checkpoint(model_path).config, parallel)
     # Each rank's share of the cores: torch's default (all of them, in every rank) oversubscribes
@@ -211,11 +210,7 @@ def tensor_parallel_engine(model_path, engine_config: EngineConfig, parallel: Pa
                            parallel.collective_timeout_s, check=ranks.check_alive,
                            stage_size=parallel.tensor_parallel_size)
         ranks.remove_rendezvous()  # all ranks are connected; nothing is left behind if this process is killed
-        if parallel.pipeline_parallel_size > 1:  # packed as the engine's, stage by stage
-            weights = pipeline_weights(checkpoint, engine_config, parallel.tensor_parallel_size)
-        else:
-            weights, _ = weights_for(checkpoint, engine_config)
-        channel, model = attach(engine, weights, group, parallel)
+        channel, model = attach(engine, rank_weights(checkpoint, engine_config, parallel), group, parallel)
     except BaseException:
         ranks.closing = True
         for proc in ranks.procs:

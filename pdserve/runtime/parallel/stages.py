@@ -121,3 +121,14 @@ def pipeline_weights(checkpoint, engine: EngineConfig, tensor_parallel_size: int
     from pdserve.quant.int4_codes import engine_weights, weights_for
 
     return (weights_for if tensor_parallel_size > 1 else engine_weights)(checkpoint, engine)[0]
+
+
+def rank_weights(checkpoint, engine: EngineConfig, parallel) -> dict:
+    """What a rank of a parallel group loads before it keeps its shard: a pipeline's ranks
+    `pipeline_weights` (packed as one process's engine packs them), tensor parallelism alone
+    `weights_for`'s. `parallel`: its ParallelConfig. Rank 0 and the followers both call it."""
+    from pdserve.quant.int4_codes import weights_for
+
+    if parallel.pipeline_parallel_size > 1:
+        return pipeline_weights(checkpoint, engine, parallel.tensor_parallel_size)
+    return weights_for(checkpoint, engine)[0]
