@@ -234,3 +234,36 @@ def test_this_cpus_vector_width_gives_the_baseline_builds_bits(baseline_library,
     args = (x, residual, weight, gate_up, q, positions, cos, sin, scores, lens)
     for mine, baseline in zip(_bf16_row_ops(cpu_attention.library(), *args), _bf16_row_ops(baseline_library, *args)):
         assert torch.equal(mine, baseline)
+
+
+def _argmax_cases(cols: int) -> torch.Tensor:
+    """Rows whose argmax is torch's business to define: random, a tie across vector blocks, NaNs before
+    and after the largest value and in the tail, all -inf, an +inf. A [rows, cols] view of a wider
+    tensor (rows `cols + 7` apart)."""
+    nan, inf = float("nan"), float("inf")
+    wide = _randn(9, cols + 7, scale=5.0)
+    x = wide[:, :cols]
+    last = cols - 1
+    x[1, last // 3] = x[1, last] = 50.0  # a tie: the first wins
+    x[2, last // 2], x[2, last] = 60.0, nan  # a NaN after the largest value: the NaN
+    x[3, 0 if cols == 1 else 1], x[3, last] = nan, nan  # the first NaN
+    x[4] = -inf
+    x[5, last // 4] = inf
+    x[6, last] = 70.0  # the largest in the tail
+    x[7, 0] = 80.0
+    x[8, last // 5], x[8, last // 2] = nan, 90.0
+    return x
+
+
+@pytest.mark.parametrize("cols", [49152, 600, 33, 16, 5, 1])
+def test_argmax_rows_is_torchs_max_indices(baseline_library, cols):
+    """Greedy sampling's C argmax picks what torch's max(dim=-1).indices picks (the first maximal value,
+    the first NaN of a row with one), in this CPU's build and in the baseline AVX2 build."""
+    x = _argmax_cases(cols)
+    want = x.max(dim=-1).indices.tolist()
+    assert cpu_layer_ops.argmax_rows(x) == want
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    baseline_library.argmax_rows_f32(x.data_ptr(), x.shape[0], cols, x.stride(0), out.data_ptr())
+    assert out.tolist() == want
+    assert cpu_layer_ops.argmax_rows(x.t().contiguous().t()) is None  # column-major rows: torch's
+    assert cpu_layer_ops.argmax_rows(x.half()) is None

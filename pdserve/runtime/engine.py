@@ -38,7 +38,7 @@ from pdserve.runtime.kv_transfer import (ExportedBlock, KVFormatError, copy_bloc
 from pdserve.runtime.model import LlamaModel
 from pdserve.runtime.model_runner import ModelRunner
 from pdserve.runtime.pins import Owner, PinTable, request_owner
-from pdserve.runtime.sampler import is_plain_greedy, sample, sample_one, top_logprobs
+from pdserve.runtime.sampler import argmax_tokens, is_plain_greedy, sample, sample_one, top_logprobs
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pdserve.runtime.sequence import ExternalKV, Sequence, SequenceStatus, TokenLogprob
@@ -364,7 +364,7 @@ class Engine:
         draw (for a delta draft that is rejection sampling: see pdserve.runtime.speculative), and
         the first draw that differs, or the one after the whole draft, ends the step's tokens."""
         seq, draft, params = s.seq, s.draft, s.seq.params
-        argmax = rows.argmax(dim=-1).tolist() if is_plain_greedy(params) else None  # rows do not interact
+        argmax = argmax_tokens(rows) if is_plain_greedy(params) else None  # rows do not interact
         tokens, lps, reason, accepted = [], [], "", 0
         for i in range(len(draft) + 1):
             token = argmax[i] if argmax is not None else sample_one(rows[i], seq)

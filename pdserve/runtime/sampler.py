@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from pdserve.runtime.compute_threads import one_thread
+from pdserve.runtime.kernels import cpu_layer_ops
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.runtime.sequence import Sequence, TokenLogprob
 from pdserve.runtime.token_draw import draw_tokens
@@ -71,6 +72,14 @@ def top_logprobs(logprobs: torch.Tensor, token_id: int, n: int) -> TokenLogprob:
     return TokenLogprob(token_id, float(logprobs[token_id]), top)
 
 
+def argmax_tokens(rows: torch.Tensor) -> list[int]:
+    """rows: [S, V] -> each row's argmax (its first maximal value): C's vectorized search where it
+    applies (cpu_layer_ops.argmax_rows: 0.1 against 1.1 ms at [28, 49152] fp32, one thread), else
+    max's indices, 2.7x faster than torch's argmax on the CPU (the same indices, NaN first as well)."""
+    found = cpu_layer_ops.argmax_rows(rows) if rows.device.type == "cpu" else None
+    return found if found is not None else rows.max(dim=-1).indices.tolist()
+
+
 def is_plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits first: the argmax of the raw row."""
     return p.greedy and _unprocessed(p)
@@ -94,15 +103,13 @@ def _tokens(masked: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     greedy rows by one max, the rest after their bias and penalties, greedy ones by argmax and
     sampled ones in one `draw_tokens` call."""
     if all(is_plain_greedy(s.params) for s in seqs):
-        # max's indices: argmax's (the first maximal value of each row), 2.7x faster on the CPU
-        # ([32, 49152] fp32 at one thread: 0.73 against 1.99 ms, 3 % of a 32-sequence step)
-        return masked.max(dim=-1).indices.tolist()
+        return argmax_tokens(masked)
     with one_thread():  # small ops, a dozen a processed row: see token_draw.draw_tokens
         rows = _processed_rows(masked, seqs)
         tokens = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if greedy:
-            for i, token in zip(greedy, _taken(rows, greedy).max(dim=-1).indices.tolist()):
+            for i, token in zip(greedy, argmax_tokens(_taken(rows, greedy))):
                 tokens[i] = token
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:

@@ -89,6 +89,8 @@ _LAYER_OPS_ARGS = {
     "kv_write_rows": [_P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I],
     # scores, rows, t_pad, per_len, lens (decode attention's softmax; the tests call it alone)
     "softmax_rows_f32": [_P, _I, _I, _I, _P],
+    # logits, rows, cols, row stride, out (int64 [rows]): greedy sampling's argmax
+    "argmax_rows_f32": [_P, _I, _I, _I, _P],
 }
 # Their bf16 versions take the same arguments (bf16 rows, fp32 eps and RoPE tables).
 _LAYER_OPS_ARGS.update({f"{name}_bf16": _LAYER_OPS_ARGS[f"{name}_f32"] for name in ("add_rms_norm", "rope", "silu_mul")})

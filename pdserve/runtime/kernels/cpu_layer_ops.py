@@ -1,6 +1,6 @@
 """A decoder layer's fp32 and bf16 row operations in C on the CPU (kernels/cpu/layer_ops.c, built
 into cpu_attention's library): RMSNorm with the residual add, RoPE, SiLU-and-multiply, the float KV
-write.
+write, and greedy sampling's argmax of a step's logits.
 
 torch spends more on dispatching these than on their arithmetic at a few tokens a step (its CPU
 RMSNorm alone is six ops); one C call each is a few microseconds. They are also what the one-call
@@ -102,3 +102,15 @@ def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
                                              kv_cache.shape[0] * block_size):
         raise IndexError(f"a KV slot past the cache ({kv_cache.shape[0]} blocks of {block_size} tokens)")
     return True
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """logits: [N, V] fp32 -> each row's `max(dim=-1).indices` (the first maximal value, the first NaN
+    where a row has one). torch's CPU max-with-indices is a scalar loop (SmolLM2's 49,152 logits at 28
+    rows: 1.1 ms a step); this one vectorized. None where it does not apply."""
+    lib = cpu_attention.library()
+    if lib is None or logits.dim() != 2 or not _c_rows(logits) or logits.shape[1] == 0:
+        return None
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
+    return out.tolist()
