@@ -2,8 +2,8 @@
 
 Failed calls raise `ServiceError` whose code is what the gateway's client should see and whose
 message names the worker, so the flow can re-raise it as is: UNAVAILABLE (the worker is gone or
-going away), RESOURCE_EXHAUSTED (its queue is full), INVALID_ARGUMENT (it refused the request),
-DEADLINE_EXCEEDED (the client's deadline ran out), CANCELLED; anything else becomes INTERNAL.
+going away; a call the worker cancelled too), RESOURCE_EXHAUSTED (its queue is full), INVALID_ARGUMENT
+(it refused the request), DEADLINE_EXCEEDED (the client's deadline ran out); anything else becomes INTERNAL.
 
 A call is also given up, with UNAVAILABLE, when the health checker finds its worker unreachable
 while the gateway waits on it (gateway.workers: `WorkerEndpoint.watch`), and a decode stream
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 5.0
 _PASSED_THROUGH = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 T = TypeVar("T")
 
@@ -71,9 +71,18 @@ def decode_stub(channel: grpc.aio.Channel) -> worker_pb2_grpc.DecodeWorkerStub:
 
 
 def worker_error(ep: WorkerEndpoint, err: grpc.aio.AioRpcError, what: str = "") -> ServiceError:
-    """The ServiceError to report for a failed call to `ep` (its circuit breaker learns of the failure)."""
-    ep.record(err.code())
-    code = err.code() if err.code() in _PASSED_THROUGH else grpc.StatusCode.INTERNAL
+    """The ServiceError to report for a failed call to `ep` (its circuit breaker learns of the failure).
+
+    CANCELLED becomes UNAVAILABLE: the gateway's own cancel of a call (its client left) raises
+    CancelledError in the awaiting task, never an AioRpcError, so a CANCELLED status here is the
+    worker's: a worker stopping cancels the calls that reached it after its drain counted them (a
+    scale-in races the call's start). The flow then retries or resumes it elsewhere, as for a worker
+    that died; passed through, the client would read it as its own cancel."""
+    code = err.code()
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE
+    ep.record(code)
+    code = code if code in _PASSED_THROUGH else grpc.StatusCode.INTERNAL
     where = f"{ep.kind} worker {ep.address}" + (f" {what}" if what else "")
     return ServiceError(code, f"{where}: {err.code().name}: {err.details() or 'no details'}")
 

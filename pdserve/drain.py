@@ -16,8 +16,10 @@ probes stop routing to it, and `Drain.run` takes over:
    once. The handed-over calls end within `HANDOVER_S`, then the process stops.
 
 Why the handover waits only at awaits the handler marks, and not by cancelling the handler's
-task: a cancel landing in grpc's own code (a write in progress) ends the call with CANCELLED,
-which the gateway cannot tell from a client that went away, and does not resume.
+task: a cancel landing in grpc's own code (a write in progress) ends the call with CANCELLED, before
+the stream's unsent tokens and its write-back. The gateway does resume a call its worker cancelled
+(gateway.worker_calls.worker_error: a stopping server cancels the calls that reach it after the
+drain counted them), but then recomputes what the write-back would have saved.
 """
 
 from __future__ import annotations

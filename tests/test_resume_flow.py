@@ -63,13 +63,14 @@ class Prefill(worker_pb2_grpc.PrefillWorkerServicer):
 
 class ScriptedDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """A decode worker whose model continues `story` after `prompt`: it streams the story from where
-    the request starts, and dies (UNAVAILABLE) after `die_after` chunks of a request while the
-    shared `deaths` budget lasts (each death spends one); then falls silent, without dying, while
-    the shared `hangs` budget lasts."""
+    the request starts, and dies (`death_code`, UNAVAILABLE unless told) after `die_after` chunks of a
+    request while the shared `deaths` budget lasts (each death spends one); then falls silent, without
+    dying, while the shared `hangs` budget lasts."""
 
     def __init__(self, prompt: list[int], story: list[int], die_after: int, deaths: list[int],
-                 hangs: list[int]) -> None:
+                 hangs: list[int], death_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.prompt, self.story, self.die_after, self.deaths, self.hangs = prompt, story, die_after, deaths, hangs
+        self.death_code = death_code
         self.requests: list[worker_pb2.DecodeRequest] = []
 
     async def Prepare(self, request, context):
@@ -86,7 +87,7 @@ class ScriptedDecode(worker_pb2_grpc.DecodeWorkerServicer):
         for i, token in enumerate(self.story[start:start + n]):
             if i == self.die_after and self.deaths[0] > 0:
                 self.deaths[0] -= 1
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker going away")
+                await context.abort(self.death_code, "worker going away")
             if i == self.die_after and self.hangs[0] > 0:
                 self.hangs[0] -= 1
                 await asyncio.Event().wait()  # until the gateway cancels the call
@@ -101,13 +102,14 @@ def model() -> ModelInfo:
 @asynccontextmanager
 async def flow_with(model: ModelInfo, workers: int, deaths: int, die_after: int = 3, hangs: int = 0,
                     limits: Deadlines | None = None, kvstore: KVStoreClient | None = None,
-                    leases_after_put: list[int] | None = None) -> AsyncIterator[tuple[RequestFlow, list]]:
+                    leases_after_put: list[int] | None = None, death_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
+                    ) -> AsyncIterator[tuple[RequestFlow, list]]:
     """A flow over one prefill worker and `workers` decode workers that die `deaths` times and
     fall silent `hangs` times in all (none of them ever releases a kvstore lease)."""
     tok = model.tokenizer
     prompt, story = tok.encode(PROMPT), tok.encode(STORY, add_bos=False)
     budget, silences = [deaths], [hangs]
-    decoders = [ScriptedDecode(prompt, story, die_after, budget, silences) for _ in range(workers)]
+    decoders = [ScriptedDecode(prompt, story, die_after, budget, silences, death_code) for _ in range(workers)]
     servers = [await start_server("127.0.0.1:0", lambda s, d=d: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(d, s),
                                   ["fake"]) for d in decoders]
     servers.append(await start_server("127.0.0.1:0", lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
@@ -147,6 +149,22 @@ def test_resume_sends_the_next_token_the_client_lacks(model: ModelInfo) -> None:
         assert resumed.local_prefill and list(resumed.prompt_token_ids) == prompt + delivered
         assert resumed.resumed_tokens == 4 and resumed.sampling.max_tokens == 12 - 4
         assert resumed.request_id == "r1"
+    asyncio.run(scenario())
+
+
+def test_a_stream_its_worker_cancelled_is_resumed_elsewhere(model: ModelInfo) -> None:
+    """A stopping decode worker cancels the calls that reached it after its drain counted them (CI saw it:
+    `pdserve scale` taking a worker out while a Decode was on its way there, tests/test_scale.py). That
+    CANCELLED is the worker's, not the client's (a cancel of ours raises CancelledError, never a status):
+    the stream resumes on another worker, each token once, as after a death."""
+    async def scenario() -> None:
+        async with flow_with(model, 2, deaths=1, die_after=0, death_code=grpc.StatusCode.CANCELLED) as (flow,
+                                                                                                      decoders):
+            chunks = await _run(flow, max_tokens=12)
+        story = model.tokenizer.encode(STORY, add_bos=False)
+        assert [t for c in chunks for t in c.token_ids] == story[:12]
+        assert chunks[-1].finish_reason == "length"
+        assert sorted(len(d.requests) for d in decoders) == [1, 1]  # the cancelled call, then its resume
     asyncio.run(scenario())
 
 
