@@ -54,15 +54,35 @@ def test_bf16_is_as_close_to_fp32_as_the_torch_path(n, ctx, threads):
     assert ours <= torchs + 2 ** -8 * reference.abs().max(), (ours, torchs)
 
 
-def test_each_row_is_the_decode_kernels_query_over_its_own_context():
-    """Row i of a chunk of n after a prefix: the bits of one decode query at context ctx - n + i + 1."""
-    n, ctx = 24, 70
-    q, cache, table = _prompt(torch.bfloat16, n, ctx, seed=2)
-    rows = cpu_attention.paged_prefill_attention(q, cache, 1, table, ctx, 0.125)
+@pytest.mark.parametrize("n,ctx", [(24, 70), (1, 1), (8, 8), (9, 40), (17, 17), (200, 261)])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 5),
+                                                           (9, 3, 64, 32), (6, 3, 48, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_is_the_decode_kernels_query_over_its_own_context(n, ctx, heads, kv_heads, dim, block_size, threads):
+    """Row i of a chunk of n after a prefix: the bits of one decode query at context ctx - n + i + 1, whether
+    the rows ran in tiles sharing each run of keys and values (prefill_attention.c: AVX512-BF16, head dims a
+    multiple of 32) or one by one (a head dim of 48, other CPUs); tiles of 8 rows, pairs in the values pass,
+    runs cut short by a block of 5 or by a row's context, two runs a block of 32, two threads."""
+    q, cache, table = _prompt(torch.bfloat16, n, ctx, heads, kv_heads, dim, block_size, seed=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = cpu_attention.paged_prefill_attention(q, cache, 1, table, ctx, 0.125)
+    finally:
+        torch.set_num_threads(before)
     for i in range(n):
         one = cpu_attention.paged_decode_attention(q[i:i + 1], cache, 1, table[None], torch.tensor([ctx - n + i + 1]),
                                                    0.125)
         assert torch.equal(rows[i], one[0])
+
+
+def test_the_tiles_run_wherever_the_cpu_has_avx512_bf16():
+    """Where the bf16 dot kernels are built, a bf16 prompt takes the tiles (not silently the per-row loop)."""
+    q, cache, table = _prompt(torch.bfloat16, 12, 40, seed=5)
+    lens = torch.arange(29, 41, dtype=torch.int64)
+    scores = torch.empty(12, 9, table.shape[0] * 16)
+    tiles = cpu_attention._prefill_tiles(q, cache, 0, table, lens, scores, 0.125)
+    assert (tiles is not None) == bool(cpu_attention.library().bf16_dot_available())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

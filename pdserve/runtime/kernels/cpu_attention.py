@@ -42,7 +42,7 @@ SOURCE = Path(__file__).with_name("cpu") / "paged_attention.c"
 # them (decode_step.c, cpu_decode_step).
 SOURCES = (SOURCE, *(SOURCE.with_name(name) for name in (
     "paged_attention_f32.c", "paged_attention_i8.c", "kv_write.c", "int4_matmul.c", "int4_exact.c",
-    "bf16_matmul.c", "layer_ops.c", "decode_step.c", "int4_amx.c", "int4_q8_gemm.c")))
+    "bf16_matmul.c", "layer_ops.c", "decode_step.c", "int4_amx.c", "int4_q8_gemm.c", "prefill_attention.c")))
 # included: part of the cache key
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "bf16.h", "threads.h", "int4_common.h", "q8_widen.h", "attention_avx512.h"))
@@ -56,6 +56,9 @@ _KERNELS = [("bf16", "bf16"), ("f32", "f32"), ("bf16", "i8"), ("f32", "i8")]  # 
 # q, out, scores, scale; cache, tables, lens; batch, max_blocks, heads, kv_heads, dim, block_size,
 # block_stride, k_offset, v_offset, t_pad, threads
 _ATTENTION_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11
+# q, out, scores, scale; cache, table, lens; n, heads, kv_heads, dim, block_size, block_stride, k_offset,
+# v_offset, t_pad, threads
+_PREFILL_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 10
 # cache, k, v; k and v row strides; slots; n, num_blocks, kv_heads, dim, block_size, block_stride, layer_offset
 _KV_WRITE_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 7
 KV_WRITE_INPUTS = ("f32", "bf16")  # kv_write_int8_<input> built
@@ -185,6 +188,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"kv_write_int8_{inputs}").argtypes = _KV_WRITE_ARGS
     for name, argtypes in _LAYER_OPS_ARGS.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int if name.startswith(("rope", "kv_write")) else None
+    lib.paged_prefill_bf16_threads.argtypes, lib.paged_prefill_bf16_threads.restype = _PREFILL_ARGS, ctypes.c_int
     lib.decode_step.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     lib.decode_step.restype = ctypes.c_int
     for name, argtypes in (("int4_linear_f32", _INT4_LINEAR_ARGS), ("int4_linear_bf16", _INT4_LINEAR_ARGS),
@@ -250,7 +254,29 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         block_table.to(torch.int64)[None].expand(n, -1).contiguous(),  # [n, MB]: one table, each row's
         torch.arange(context_len - n + 1, context_len + 1, dtype=torch.int64),  # [n]: each row's context
         _scores_scratch(q, block_table.shape[0], kv_cache)))
+    if _kernel_suffix(q, kv_cache) == "bf16_bf16":
+        out = _prefill_tiles(q, kv_cache, layer, tables[0], lens, scores, scale)
+        if out is not None:
+            return out
     return _attend(q, kv_cache, layer, tables, lens, scores, scale)
+
+
+def _prefill_tiles(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Tensor, lens: torch.Tensor,
+                   scores: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """kernels/cpu/prefill_attention.c: the rows of q [n, H, D] in tiles sharing each run of keys and values
+    while it is in L1, each row's bits the per-row kernel's; None where it does not apply (no AVX512-BF16,
+    a shape its register-held sums do not take)."""
+    n, h, d = q.shape
+    _, layers, _, rows, kvh, _ = kv_cache.shape
+    q = q.contiguous()
+    chunk = rows * kvh * d
+    out = torch.empty_like(q)
+    if library().paged_prefill_bf16_threads(q.data_ptr(), out.data_ptr(), scores.data_ptr(), scale,
+                                            kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), n, h, kvh, d,
+                                            block_size_of(kv_cache), layers * 2 * chunk, 2 * layer * chunk,
+                                            (2 * layer + 1) * chunk, scores.shape[2], threads_for(n, 8)):
+        return None
+    return out
 
 
 def _scores_scratch(q: torch.Tensor, max_blocks: int, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,35 @@ static inline __m512 sums16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+#ifdef __AVX512BF16__
+// One query head's scores over a run of n <= 16 consecutive keys (rows `row` apart from `keys`, the head's
+// D values): out[i] = scale * q . k_i, i < n. Each key's products summed with `vdpbf16ps` in its own
+// lane-parallel vector, then one transposing reduction: a score's bits depend on its q and k alone.
+static inline void score_run_bf16(const uint16_t* q, const uint16_t* keys, int64_t n, int64_t row, int64_t dim,
+                                  __m512 scale16, float* out) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    if (n == 16) {  // a whole run (most of them): no per-row choice in the loop (a compare and a move each)
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+            for (int i = 0; i < 16; i++)
+                acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(keys + i * row + d));
+        }
+    } else {
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+            for (int i = 0; i < 16; i++)  // rows past the run read row 0 again: lanes discarded
+                acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(keys + (i < n ? i : 0) * row + d));
+        }
+    }
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), _mm512_mul_ps(scale16, sums16(acc)));
+}
+#endif
+
+static inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exact
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 // The scores' runs: up to 16 tokens from t0, within t0's block and the context of `len`.
 static inline int64_t run_tokens(int64_t t0, int64_t len, int64_t block_size) {
     const int64_t in_block = block_size - t0 % block_size, n = in_block < 16 ? in_block : 16;
@@ -43,6 +72,27 @@ static inline void store_group_rows_bf16(const __m512* acc, int64_t group, int64
         uint16_t* o = out + (g * group + j) * dim;
         for (int64_t d = 0; d < dim; d++) o[d] = bf16_round(sums[d]);
     }
+}
+
+// A kv head g's `group` query heads' value sums (sums: [group][per_head] vectors of 16) plus a run of n
+// tokens from t0 (`rows`: the run's first row), each probability p[(g * group + j) * t_pad + t] times the
+// token's values, added in token order. Inlined with constant group and per_head so that the sums stay
+// in registers for the run.
+static inline __attribute__((always_inline)) void add_run_values(
+        int64_t group, int64_t per_head, const float* p, const uint16_t* rows, int64_t t0, int64_t n, int64_t g,
+        int64_t row, int64_t dim, int64_t t_pad, __m512* sums) {
+    __m512 acc[MAX_ACC_VECTORS];  // [group][per_head]
+    for (int64_t i = 0; i < group * per_head; i++) acc[i] = sums[i];
+    for (int64_t t = t0; t < t0 + n; t++) {
+        const uint16_t* v = rows + (t - t0) * row + g * dim;
+        for (int64_t c = 0; c < per_head; c++) {
+            const __m512 vc = widen16(v + c * 16);
+            for (int64_t j = 0; j < group; j++)
+                acc[j * per_head + c] =
+                    _mm512_fmadd_ps(_mm512_set1_ps(p[(g * group + j) * t_pad + t]), vc, acc[j * per_head + c]);
+        }
+    }
+    for (int64_t i = 0; i < group * per_head; i++) sums[i] = acc[i];
 }
 
 // FN(G, PH, ...) with G and PH constants for the shapes whose sums stay in registers once inlined

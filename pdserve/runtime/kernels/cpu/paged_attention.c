@@ -215,24 +215,11 @@ static void scores_bf16_dot(const uint16_t* q, float* scores, float scale, KERNE
                 if (next != NULL)
                     for (int64_t i = hq * share_bytes; i < (hq + 1) * share_bytes && i < next_bytes; i += 64)
                         __builtin_prefetch(next + i, 0, 2);
-                const uint16_t* kh = keys + (hq / group) * dim;
-                __m512 acc[16];
-                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-                for (int64_t d = 0; d < dim; d += 32) {
-                    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + hq * dim + d);
-                    for (int i = 0; i < 16; i++)  // rows past the run read row 0 again: lanes discarded
-                        acc[i] = _mm512_dpbf16_ps(acc[i], qv, (__m512bh)_mm512_loadu_si512(kh + (i < n ? i : 0) * row + d));
-                }
-                _mm512_mask_storeu_ps(out + hq * t_pad + t0, (__mmask16)((1u << n) - 1),
-                                      _mm512_mul_ps(scale16, sums16(acc)));
+                score_run_bf16(qb + hq * dim, keys + (hq / group) * dim, n, row, dim, scale16, out + hq * t_pad + t0);
             }
             t0 += n;
         }
     }
-}
-
-static inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exact
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 // One sequence's values, its kv heads' query heads (out: its [H, dim]), block by block: each run of a
@@ -252,20 +239,8 @@ static inline __attribute__((always_inline)) void values_one_sequence(
     for (int64_t t0 = 0; t0 < len;) {
         const int64_t n = run_tokens(t0, len, block_size);
         const uint16_t* rows = cache + table[t0 / block_size] * block_stride + offset + (t0 % block_size) * row;
-        for (int64_t g = 0; g < kv_heads; g++) {  // the scores pass fetched the later blocks' values
-            __m512 acc[MAX_ACC_VECTORS];  // [group][per_head]
-            for (int64_t i = 0; i < per_kv; i++) acc[i] = sums[g * per_kv + i];
-            for (int64_t t = t0; t < t0 + n; t++) {
-                const uint16_t* v = rows + (t - t0) * row + g * dim;
-                for (int64_t c = 0; c < per_head; c++) {
-                    const __m512 vc = widen16(v + c * 16);
-                    for (int64_t j = 0; j < group; j++)
-                        acc[j * per_head + c] =
-                            _mm512_fmadd_ps(_mm512_set1_ps(p[(g * group + j) * t_pad + t]), vc, acc[j * per_head + c]);
-                }
-            }
-            for (int64_t i = 0; i < per_kv; i++) sums[g * per_kv + i] = acc[i];
-        }
+        for (int64_t g = 0; g < kv_heads; g++)  // the scores pass fetched the later blocks' values
+            add_run_values(group, per_head, p, rows, t0, n, g, row, dim, t_pad, sums + g * per_kv);
         t0 += n;
     }
     for (int64_t g = 0; g < kv_heads; g++) store_group_rows_bf16(sums + g * per_kv, group, per_head, g, dim, out);
