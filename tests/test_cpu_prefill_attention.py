@@ -25,6 +25,17 @@ def _prompt(dtype: torch.dtype, n: int, ctx: int, heads: int = 9, kv_heads: int 
     return q, cache, table
 
 
+def _on_threads(threads: int, q: torch.Tensor, cache: torch.Tensor, layer: int, table: torch.Tensor, ctx: int
+                ) -> torch.Tensor:
+    """paged_prefill_attention (scale 0.125) with torch's thread count set to `threads` for the call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return cpu_attention.paged_prefill_attention(q, cache, layer, table, ctx, 0.125)
+    finally:
+        torch.set_num_threads(before)
+
+
 CHUNKS = [(1, 1), (16, 16), (200, 200), (37, 90), (5, 261), (1, 64)]  # (n, ctx): whole prompts, chunks after a prefix
 
 
@@ -41,12 +52,7 @@ def test_fp32_equals_the_torch_path(n, ctx, block_size):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_is_as_close_to_fp32_as_the_torch_path(n, ctx, threads):
     q, cache, table = _prompt(torch.bfloat16, n, ctx, seed=1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = cpu_attention.paged_prefill_attention(q, cache, 0, table, ctx, 0.125)
-    finally:
-        torch.set_num_threads(before)
+    got = _on_threads(threads, q, cache, 0, table, ctx)
     reference = torch_ops.prefill_attention_torch(q.float(), cache.float(), 0, table, ctx, 0.125)
     theirs = torch_ops.prefill_attention_torch(q, cache, 0, table, ctx, 0.125)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
@@ -64,12 +70,7 @@ def test_each_row_is_the_decode_kernels_query_over_its_own_context(n, ctx, heads
     multiple of 32) or one by one (a head dim of 48, other CPUs); tiles of 8 rows, pairs in the values pass,
     runs cut short by a block of 5 or by a row's context, two runs a block of 32, two threads."""
     q, cache, table = _prompt(torch.bfloat16, n, ctx, heads, kv_heads, dim, block_size, seed=2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows = cpu_attention.paged_prefill_attention(q, cache, 1, table, ctx, 0.125)
-    finally:
-        torch.set_num_threads(before)
+    rows = _on_threads(threads, q, cache, 1, table, ctx)
     for i in range(n):
         one = cpu_attention.paged_decode_attention(q[i:i + 1], cache, 1, table[None], torch.tensor([ctx - n + i + 1]),
                                                    0.125)
