@@ -250,33 +250,42 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     if not supports(q, kv_cache):
         return None
     n = q.shape[0]
-    tables, lens, scores = per_step("c_prefill_attention", (block_table, n, context_len, q.shape[1]), lambda: (
-        block_table.to(torch.int64)[None].expand(n, -1).contiguous(),  # [n, MB]: one table, each row's
+    table, lens, scores = per_step("c_prefill_attention", (block_table, n, context_len, q.shape[1]), lambda: (
+        block_table.to(torch.int64).contiguous(),  # [MB]
         torch.arange(context_len - n + 1, context_len + 1, dtype=torch.int64),  # [n]: each row's context
         _scores_scratch(q, block_table.shape[0], kv_cache)))
-    if _kernel_suffix(q, kv_cache) == "bf16_bf16":
-        out = _prefill_tiles(q, kv_cache, layer, tables[0], lens, scores, scale)
-        if out is not None:
-            return out
+    out = _prefill_tiles(q, kv_cache, layer, table, lens, scores, scale)
+    if out is not None:
+        return out
+    # The per-row kernel: n "sequences" sharing one table, each its own row of it.
+    tables = per_step("c_prefill_tables", (table, n), lambda: table[None].expand(n, -1).contiguous())  # [n, MB]
     return _attend(q, kv_cache, layer, tables, lens, scores, scale)
 
 
 def _prefill_tiles(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, table: torch.Tensor, lens: torch.Tensor,
                    scores: torch.Tensor, scale: float) -> torch.Tensor | None:
     """kernels/cpu/prefill_attention.c: the rows of q [n, H, D] in tiles sharing each run of keys and values
-    while it is in L1, each row's bits the per-row kernel's; None where it does not apply (no AVX512-BF16,
-    a shape its register-held sums do not take)."""
+    while it is in L1, each row's bits the per-row kernel's; None where it does not apply (not a bf16 query
+    over a bf16 cache, no AVX512-BF16, a shape its register-held sums do not take)."""
+    if _kernel_suffix(q, kv_cache) != "bf16_bf16":
+        return None
     n, h, d = q.shape
-    _, layers, _, rows, kvh, _ = kv_cache.shape
     q = q.contiguous()
-    chunk = rows * kvh * d
     out = torch.empty_like(q)
     if library().paged_prefill_bf16_threads(q.data_ptr(), out.data_ptr(), scores.data_ptr(), scale,
-                                            kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), n, h, kvh, d,
-                                            block_size_of(kv_cache), layers * 2 * chunk, 2 * layer * chunk,
-                                            (2 * layer + 1) * chunk, scores.shape[2], threads_for(n, 8)):
+                                            kv_cache.data_ptr(), table.data_ptr(), lens.data_ptr(), n, h,
+                                            kv_cache.shape[4], d, *_cache_geometry(kv_cache, layer),
+                                            scores.shape[2], threads_for(n, 8)):
         return None
     return out
+
+
+def _cache_geometry(kv_cache: torch.Tensor, layer: int) -> tuple[int, int, int, int]:
+    """(block_size, block_stride, k_offset, v_offset) of `layer` in a [blocks, layers, 2, rows, KVH, D]
+    cache, in elements: what the C kernels take to find a block's keys and values."""
+    _, layers, _, rows, kvh, d = kv_cache.shape
+    chunk = rows * kvh * d  # elements of one (block, layer, k/v) run
+    return block_size_of(kv_cache), layers * 2 * chunk, 2 * layer * chunk, (2 * layer + 1) * chunk
 
 
 def _scores_scratch(q: torch.Tensor, max_blocks: int, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -289,13 +298,12 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, tables: torch.T
     """The C call: rows of q [B, H, D] over their tables [B, MB] and lengths [B] (int64, contiguous)."""
     attention = getattr(library(), f"paged_attention_{_kernel_suffix(q, kv_cache)}_threads")
     b, h, d = q.shape
-    _, layers, _, rows, kvh, _ = kv_cache.shape
+    kvh = kv_cache.shape[4]
     q = q.contiguous()
-    chunk = rows * kvh * d  # elements of one (block, layer, k/v) run
     out = torch.empty_like(q)
     attention(q.data_ptr(), out.data_ptr(), scores.data_ptr(), scale, kv_cache.data_ptr(), tables.data_ptr(),
-              lens.data_ptr(), b, tables.shape[1], h, kvh, d, block_size_of(kv_cache), layers * 2 * chunk,
-              2 * layer * chunk, (2 * layer + 1) * chunk, scores.shape[2], threads_for(b * kvh, MIN_UNITS_PER_THREAD))
+              lens.data_ptr(), b, tables.shape[1], h, kvh, d, *_cache_geometry(kv_cache, layer), scores.shape[2],
+              threads_for(b * kvh, MIN_UNITS_PER_THREAD))
     return out
 
 

@@ -233,13 +233,12 @@ static inline __attribute__((always_inline)) void values_one_sequence(
         int64_t len, int64_t kv_heads, int64_t row, int64_t dim, int64_t block_size, int64_t block_stride,
         int64_t offset, int64_t t_pad) {
     __m512 sums[MAX_HEADS * MAX_HEAD_DIM / 16];  // [kv_heads][group][per_head]
-    const int64_t per_kv = group * per_head, block_bytes = block_size * row * (int64_t)sizeof(uint16_t);
+    const int64_t per_kv = group * per_head;  // no fetching ahead: the scores pass fetched keys and values
     for (int64_t i = 0; i < kv_heads * per_kv; i++) sums[i] = _mm512_setzero_ps();
-    prefetch_first_blocks(cache, table, len, block_size, block_stride, offset, block_bytes);
     for (int64_t t0 = 0; t0 < len;) {
         const int64_t n = run_tokens(t0, len, block_size);
         const uint16_t* rows = cache + table[t0 / block_size] * block_stride + offset + (t0 % block_size) * row;
-        for (int64_t g = 0; g < kv_heads; g++)  // the scores pass fetched the later blocks' values
+        for (int64_t g = 0; g < kv_heads; g++)
             add_run_values(group, per_head, p, rows, t0, n, g, row, dim, t_pad, sums + g * per_kv);
         t0 += n;
     }

@@ -26,6 +26,12 @@ void softmax_rows_f32(float* scores, int64_t rows, int64_t t_pad, int64_t per_le
 #define MAX_HEADS 64
 #include "attention_avx512.h"
 
+// Row r's tokens of the tile's run at t0 (`step` of them for the longest row): the per-row kernel's run of
+// row r, cut at its context (0 or less: its context ended before t0).
+static inline int64_t row_run(const int64_t* lens, int64_t r, int64_t t0, int64_t step) {
+    return lens[r] - t0 < step ? lens[r] - t0 : step;
+}
+
 // Every row's scores of the tile [r0, r1) (lens[r]: row r's context), a run at a time.
 static void tile_scores(const uint16_t* q, float* scores, float scale, const uint16_t* cache, const int64_t* table,
                         const int64_t* lens, int64_t r0, int64_t r1, int64_t heads, int64_t kv_heads, int64_t dim,
@@ -36,8 +42,8 @@ static void tile_scores(const uint16_t* q, float* scores, float scale, const uin
         const int64_t step = run_tokens(t0, longest, block_size);
         const uint16_t* keys = cache + table[t0 / block_size] * block_stride + k_offset + (t0 % block_size) * row;
         for (int64_t r = r0; r < r1; r++) {
-            if (lens[r] <= t0) continue;
-            const int64_t n = lens[r] - t0 < step ? lens[r] - t0 : step;  // the per-row kernel's run of row r
+            const int64_t n = row_run(lens, r, t0, step);
+            if (n <= 0) continue;
             for (int64_t hq = 0; hq < heads; hq++)
                 score_run_bf16(q + (r * heads + hq) * dim, keys + (hq / group) * dim, n, row, dim, scale16,
                                scores + (r * heads + hq) * t_pad + t0);
@@ -80,8 +86,7 @@ static inline __attribute__((always_inline)) void tile_values(
         const int64_t step = run_tokens(t0, longest, block_size);
         const uint16_t* rows = cache + table[t0 / block_size] * block_stride + v_offset + (t0 % block_size) * row;
         for (int64_t r = r0; r < r1; r += 2) {  // rows in pairs (contexts grow with r: b's run is a's or longer)
-            const int64_t n = lens[r] - t0 < step ? lens[r] - t0 : step;
-            const int64_t nb = r + 1 < r1 ? (lens[r + 1] - t0 < step ? lens[r + 1] - t0 : step) : 0;
+            const int64_t n = row_run(lens, r, t0, step), nb = r + 1 < r1 ? row_run(lens, r + 1, t0, step) : 0;
             for (int64_t g = 0; g < kv_heads; g++) {
                 __m512* sa = sums + (r - r0) * per_row + g * per_kv;
                 if (n > 0 && nb > 0 && group * per_head <= MAX_ACC_VECTORS / 2)
@@ -142,9 +147,6 @@ int paged_prefill_bf16_threads(const uint16_t* q, uint16_t* out, float* scores, 
                                const int64_t* table, const int64_t* lens, int64_t n, int64_t heads, int64_t kv_heads,
                                int64_t dim, int64_t block_size, int64_t block_stride, int64_t k_offset,
                                int64_t v_offset, int64_t t_pad, int64_t threads) {
-    (void)q, (void)out, (void)scores, (void)scale, (void)cache, (void)table, (void)lens, (void)n, (void)heads;
-    (void)kv_heads, (void)dim, (void)block_size, (void)block_stride, (void)k_offset, (void)v_offset, (void)t_pad;
-    (void)threads;
     return 1;  // no AVX512-BF16: the per-row kernel
 }
 #endif
