@@ -92,7 +92,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             hashes = list(request.block_hashes)
             tokens = prompt + [request.first_token]
         with self.drain.call():  # UNAVAILABLE at once while draining: the gateway goes elsewhere
-            writer = BlockWriteBack(self.write_queue, rid, tokens) if self.write_back else None
+            # The prompt blocks a prefill worker named are in the store: the writer skips them.
+            stored = None if request.local_prefill else hashes
+            writer = BlockWriteBack(self.write_queue, rid, tokens, stored) if self.write_back else None
             lease = RequestLease(self.worker, rid)  # ended once: when the KV is in our cache, or on leaving
             unsent = UnsentTokens(self.stream_interval, request.local_prefill)
             imported, handed_over = False, False

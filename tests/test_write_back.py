@@ -1,7 +1,9 @@
 """The decode worker's write-back (decode.write_back) against a real kvstore on loopback, with the real
 servicers and engines (stories260K): after concurrent decodes every full block of each sequence (prompt
-and generated tokens) is in the store, under the hash chain the engine names it by, and the blocks that
-filled while a write was in flight went out together (fewer writes than blocks)."""
+and generated tokens) is in the store, under the hash chain the engine names it by, the blocks that
+filled while a write was in flight went out together (fewer writes than blocks), and no block reached
+the store twice: the prompt blocks a prefill worker put are skipped without asking the store, those a
+sequence prefilled on the decode worker found there are skipped after asking it."""
 
 from __future__ import annotations
 
@@ -43,6 +45,12 @@ async def _decode(prefiller: PrefillServicer, decoder: DecodeServicer, prompt: l
     return tokens
 
 
+async def _local_decode(decoder: DecodeServicer, prompt: list[int], rid: str) -> list[int]:
+    sampling = common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, local_prefill=True)
+    return [t async for chunk in decoder.Decode(request, None) for t in chunk.token_ids]
+
+
 def test_every_filled_block_is_written_back_and_concurrent_fills_go_out_together():
     torch.set_num_threads(1)
     checkpoint = load_checkpoint(STORIES_GGUF)
@@ -62,17 +70,56 @@ def test_every_filled_block_is_written_back_and_concurrent_fills_go_out_together
             generated = [h for chain in chains for h in chain[2:]]  # the blocks past the prompts' two
             await asyncio.wait_for(_written(decoder), 30)
             present = await decode.kv.presence([h for chain in chains for h in chain])
-            return present, len(set(generated)), decoder.write_queue.writes
+            stats = await decode.kv.stats()
+            queue = decoder.write_queue
+            return present, len(set(generated)), queue.writes, queue.lookups, stats
         finally:
             for w in (prefill, decode):
                 await w.kv.close()
                 w.aengine.stop()
             await server.stop(None)
 
-    present, generated_blocks, writes = asyncio.run(scenario())
+    present, generated_blocks, writes, lookups, stats = asyncio.run(scenario())
     assert all(present)  # the prompts' blocks (put by prefill) and every generated one
     assert generated_blocks >= STREAMS * 2  # (the last block's final token has no KV yet)
     assert writes < generated_blocks, f"blocks that filled together were written one by one ({writes} writes)"
+    assert lookups == 0, "the store was asked about blocks a prefill worker named or this worker generated"
+    assert stats.bytes_in == stats.used_bytes, "a block reached the store twice"
+
+
+def test_a_sequence_prefilled_on_the_decode_worker_writes_only_the_blocks_the_store_lacks():
+    """A next turn prefilled here (a placement that keeps a conversation on the worker holding it):
+    the prompt's first blocks are in the store (a prefill worker put them for the earlier request)
+    and in this worker's paged cache, its last ones are computed here; those and the generated ones
+    are written back, the ones the store held are not sent again."""
+    torch.set_num_threads(1)
+    checkpoint = load_checkpoint(STORIES_GGUF)
+    words = checkpoint.tokenizer.encode("Once upon a time, there was a little girl named Lily who loved to")
+    earlier = (words * 4)[:2 * BS + 3]  # its 2 full blocks go to the store
+    prompt = (words * 4)[:4 * BS + 5]  # the same 2 blocks, then 2 more and a partial one
+
+    async def scenario() -> tuple[list[bool], int, object]:
+        server, port = await serve("127.0.0.1:0", 64 << 20)
+        prefill = _worker(checkpoint, f"127.0.0.1:{port}", "prefill")
+        decode = _worker(checkpoint, f"127.0.0.1:{port}", "decode")
+        try:
+            decoder = DecodeServicer(decode, write_back=True)
+            await _decode(PrefillServicer(prefill), decoder, earlier, "earlier")
+            await asyncio.wait_for(_written(decoder), 30)
+            out = await _local_decode(decoder, prompt, "resumed")
+            await asyncio.wait_for(_written(decoder), 30)
+            chain = decode.kv_format.reusable_hashes(prompt + out)
+            return await decode.kv.presence(chain), decoder.write_queue.lookups, await decode.kv.stats()
+        finally:
+            for w in (prefill, decode):
+                await w.kv.close()
+                w.aengine.stop()
+            await server.stop(None)
+
+    present, lookups, stats = asyncio.run(scenario())
+    assert len(present) >= 6 and all(present)  # 4 prompt blocks, 2+ generated
+    assert lookups >= 1  # the local prefill's blocks were looked up before any data moved
+    assert stats.bytes_in == stats.used_bytes, "a block the store held was sent again"
 
 
 async def _written(decoder: DecodeServicer) -> None:
