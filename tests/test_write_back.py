@@ -8,6 +8,8 @@ sequence prefilled on the decode worker found there are skipped after asking it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import torch
 
@@ -45,6 +47,21 @@ async def _decode(prefiller: PrefillServicer, decoder: DecodeServicer, prompt: l
     return tokens
 
 
+@asynccontextmanager
+async def _kvstore_and_workers(checkpoint) -> AsyncIterator[tuple[Worker, Worker]]:
+    """A kvstore on loopback and a prefill and a decode worker using it."""
+    server, port = await serve("127.0.0.1:0", 64 << 20)
+    prefill = _worker(checkpoint, f"127.0.0.1:{port}", "prefill")
+    decode = _worker(checkpoint, f"127.0.0.1:{port}", "decode")
+    try:
+        yield prefill, decode
+    finally:
+        for w in (prefill, decode):
+            await w.kv.close()
+            w.aengine.stop()
+        await server.stop(None)
+
+
 async def _local_decode(decoder: DecodeServicer, prompt: list[int], rid: str) -> list[int]:
     sampling = common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     request = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, local_prefill=True)
@@ -58,10 +75,7 @@ def test_every_filled_block_is_written_back_and_concurrent_fills_go_out_together
     prompts = [(words * 4)[i:i + 2 * BS + 3] for i in range(STREAMS)]  # 2 full blocks and a partial one each
 
     async def scenario() -> tuple[list[bool], int, int]:
-        server, port = await serve("127.0.0.1:0", 64 << 20)
-        prefill = _worker(checkpoint, f"127.0.0.1:{port}", "prefill")
-        decode = _worker(checkpoint, f"127.0.0.1:{port}", "decode")
-        try:
+        async with _kvstore_and_workers(checkpoint) as (prefill, decode):
             decoder = DecodeServicer(decode, write_back=True)
             outputs = await asyncio.gather(*(_decode(PrefillServicer(prefill), decoder, p, f"r{i}")
                                              for i, p in enumerate(prompts)))
@@ -73,11 +87,6 @@ def test_every_filled_block_is_written_back_and_concurrent_fills_go_out_together
             stats = await decode.kv.stats()
             queue = decoder.write_queue
             return present, len(set(generated)), queue.writes, queue.lookups, stats
-        finally:
-            for w in (prefill, decode):
-                await w.kv.close()
-                w.aengine.stop()
-            await server.stop(None)
 
     present, generated_blocks, writes, lookups, stats = asyncio.run(scenario())
     assert all(present)  # the prompts' blocks (put by prefill) and every generated one
@@ -99,10 +108,7 @@ def test_a_sequence_prefilled_on_the_decode_worker_writes_only_the_blocks_the_st
     prompt = (words * 4)[:4 * BS + 5]  # the same 2 blocks, then 2 more and a partial one
 
     async def scenario() -> tuple[list[bool], int, object]:
-        server, port = await serve("127.0.0.1:0", 64 << 20)
-        prefill = _worker(checkpoint, f"127.0.0.1:{port}", "prefill")
-        decode = _worker(checkpoint, f"127.0.0.1:{port}", "decode")
-        try:
+        async with _kvstore_and_workers(checkpoint) as (prefill, decode):
             decoder = DecodeServicer(decode, write_back=True)
             await _decode(PrefillServicer(prefill), decoder, earlier, "earlier")
             await asyncio.wait_for(_written(decoder), 30)
@@ -110,11 +116,6 @@ def test_a_sequence_prefilled_on_the_decode_worker_writes_only_the_blocks_the_st
             await asyncio.wait_for(_written(decoder), 30)
             chain = decode.kv_format.reusable_hashes(prompt + out)
             return await decode.kv.presence(chain), decoder.write_queue.lookups, await decode.kv.stats()
-        finally:
-            for w in (prefill, decode):
-                await w.kv.close()
-                w.aengine.stop()
-            await server.stop(None)
 
     present, lookups, stats = asyncio.run(scenario())
     assert len(present) >= 6 and all(present)  # 4 prompt blocks, 2+ generated
