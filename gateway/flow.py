@@ -17,8 +17,9 @@
         in its paged cache (best effort)                         -> cached_blocks hint, residency
      6. pick a decode worker by KV-aware cost (router.pick_decode: load, free KV, resident prefix,
         the session's last worker, or the worker its sibling requests chose: `DecodeAffinity`,
-        the n choices of one HTTP request) and send it Prepare(hashes), not awaited: KV that already
-        exists starts moving now; a hot prefix is also sent to the decode workers lacking it
+        the n choices of one HTTP request) and send it Prepare(the leading hashes the kvstore holds),
+        not awaited: KV that already exists starts moving now (none: no hint, as for a new prompt);
+        a hot prefix is also sent to the decode workers lacking it
                                                                                 UNAVAILABLE if none
      7. place the prefill (placement.PrefillPlacement, asked once; default AlwaysRemote):
         remote: pick a prefill worker; Prefill -> first token + every block hash; a worker that
@@ -211,7 +212,8 @@ class RequestFlow:
         try:
             placement = self._place(len(prompt_ids), cached_blocks, hinted)
             with hinted.track():  # counted from the pick so that concurrent requests spread out
-                worker_calls.send_prepare(hinted, rid, hashes)
+                if cached_blocks:  # the hint moves KV the store holds: a prompt it lacks has none to move yet
+                    worker_calls.send_prepare(hinted, rid, hashes[:cached_blocks])
                 self._send_hot(hashes, resident)
                 result = None
                 if placement == "remote":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+import torch
 
 from gateway import server as gateway_server
 from gateway.flow import ModelInfo, RequestFlow
@@ -168,11 +169,13 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.tokens, self.delay_s, self.fail_at = tokens, 0.0, None
         self.address = ""
         self.prepared: list[str] = []
+        self.prepared_hashes: list[list[bytes]] = []
         self.requests: list[worker_pb2.DecodeRequest] = []
         self.cancelled = asyncio.Event()
 
     async def Prepare(self, request, context):
         self.prepared.append(request.request_id)
+        self.prepared_hashes.append(list(request.block_hashes))
         return worker_pb2.PrepareResponse()
 
     async def Decode(self, request, context):
@@ -287,13 +290,36 @@ def test_generate_streams_first_token_then_decode(model: ModelInfo) -> None:
             assert chunks[-1].usage.completion_tokens == len(st.decode.tokens) + 1
             assert chunks[-1].usage.prompt_tokens == len(model.tokenizer.encode("Once"))
             # Downstream the request has the gateway's own id; the client's ("r1") is only echoed.
-            assert {c.request_id for c in chunks} == {"r1"} and st.decode.prepared == [st.decode.requests[0].request_id]
-            assert st.decode.prepared[0] != "r1" and st.decode.requests[0].first_token == chunks[0].token_ids[0]
+            assert {c.request_id for c in chunks} == {"r1"} and st.decode.requests[0].request_id != "r1"
+            assert st.decode.requests[0].first_token == chunks[0].token_ids[0]
+            assert st.decode.prepared == []  # no dispatch hint: the kvstore holds none of the prompt
             assert sum(len(p.calls) for p in st.prefill) == 1
             assert [p.calls[0].cached_blocks for p in st.prefill if p.calls] == [0]  # asked the kvstore
             # The decode worker ends the lease once it holds the KV; the gateway too once the request
             # ended (a worker killed between its last chunk and its release would leave it pinned).
             assert await st.released() == [st.decode.requests[0].request_id]
+    asyncio.run(scenario())
+
+
+def test_the_dispatch_hint_names_the_leading_blocks_the_kvstore_holds(model: ModelInfo) -> None:
+    """Prepare(dispatch) tells the decode worker to fetch KV that exists: with the prompt's first
+    block in the store, the hint names that block alone; the gateway's own id goes with it."""
+    from pdserve.kvwire import encode_block
+    from pdserve.runtime.kv_format import KVFormat
+
+    fmt = KVFormat.named("0" * 32, "float32", 1, 1, 4, 16)
+    wire = encode_block(torch.zeros(fmt.shape), fmt, 16)
+
+    async def scenario() -> None:
+        async with gateway_stack(model) as st:
+            await _collect(st.stub.Generate(_request(prompt=STORY * 6, max_tokens=4)))
+            prompt_ids = list(next(p.calls[0] for p in st.prefill if p.calls).token_ids)
+            hashes = model.block_names.full_block_hashes(prompt_ids)
+            assert len(hashes) >= 2 and st.decode.prepared == []
+            await st.kv.put_blocks("", [(hashes[0], wire)])
+            await _collect(st.stub.Generate(_request(prompt=STORY * 6, request_id="r2", max_tokens=4)))
+            assert st.decode.prepared_hashes == [[hashes[0]]]
+            assert st.decode.prepared == [st.decode.requests[-1].request_id]
     asyncio.run(scenario())
 
 
