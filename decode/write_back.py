@@ -14,7 +14,8 @@ per block cost 7-9 % of a 32-stream run's throughput (SmolLM2, 2 cores) against 
 coalesced they are a handful a step.
 
 What the store holds already is not sent again. A request the prefill worker prefilled names the
-prompt blocks it put (`stored`): those are never queued, and the generated ones are put without
+prompt blocks it put (`stored`): those are never queued (were its put refused, whoever needs them
+next recomputes them, as after a failed write-back), and the generated ones are put without
 asking first (the store keeps one copy of a block sent twice, as when the same prompt was answered
 the same way before). Why not ask: a Lookup round trip a write cost the kvstore a fifth of its CPU
 at 32 streams, and its answer for a block this sequence just generated is almost always "absent"
