@@ -4,8 +4,9 @@ Prepare(hint) starts moving KV that already exists (see pdserve.block_prefetch f
 Decode(request): gather the prompt's blocks (paged cache here, prefetched, or fetched now) and add
 the request with them (`AddRequest`); the scheduler shares or copies them into the paged cache when
 it admits it (and computes from the first block that is missing or corrupt), the request's blocks
-in the KV store are unpinned, then the tokens of the continuous batch stream. A cancelled call aborts the sequence, which frees its blocks, and
-ends the request's kvstore lease (`RequestLease`: once, after a fetch still in flight under it).
+in the KV store are unpinned, then the tokens of the continuous batch stream. A cancelled call
+aborts the sequence, which frees its blocks, and ends the request's kvstore lease (`RequestLease`:
+once, after a fetch still in flight under it).
 
 Decode with `local_prefill` prefills here instead: the worker hashes the prompt's full blocks,
 takes the leading ones it finds (paged cache, kvstore), computes the rest, and the first chunk
