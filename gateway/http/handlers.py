@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -49,6 +48,7 @@ from gateway.deadlines import Deadlines
 from gateway.deployments import Catalog, Route, UnknownModel
 from gateway.flow import DecodeAffinity, GenerationRequest, RequestFlow
 from gateway.http.errors import ApiError, api_error_of, json_dumps, public_message
+from gateway.http.json_body import read_json_body
 from gateway.http.openai_responses import (ChoiceOutput, chunk_json, completion_json, system_fingerprint, total_usage,
                                            usage_chunk_json)
 from gateway.http.openai_schema import ApiRequest, parse_chat, parse_completion, with_tools
@@ -455,18 +455,3 @@ def parse_feedback(body: object) -> tuple[str, float]:
     for prefix in ("chatcmpl-", "cmpl-"):
         request_id = request_id.removeprefix(prefix)
     return request_id, float(score)
-
-
-async def read_json_body(request: web.Request, timeout_s: float) -> object:
-    try:
-        async with asyncio.timeout(timeout_s):  # a client trickling its body must not hold a handler
-            raw = await request.read()
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
-                            "(--http-body-timeout-s); send it at once", headers={"Connection": "close"}) from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-    except RecursionError:  # json's decoder recurses once per nesting level
-        raise ApiError(400, "the request body is JSON nested too deeply to parse") from None

@@ -28,7 +28,7 @@ from aiohttp import web
 import pdserve
 from gateway.deployments import Catalog, Deployment, UnknownModel
 from gateway.http.errors import ApiError, json_dumps
-from gateway.http.handlers import read_json_body
+from gateway.http.json_body import read_json_body
 from gateway.http.openai_schema import parse_chat, parse_completion, with_tools
 from gateway.prompts import INLINE_CHARS, encode_off_loop, prompt_chars
 from gateway.request_limits import RequestLimits
