@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +31,7 @@ Messages = Sequence[Mapping[str, Any]]  # {"role", "content"}; "tool_calls" / "t
 INLINE_CHARS = 1024
 # Bounded: tokenizing holds the GIL, so more threads would only take more of the loop's share.
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-tokenize")
+_MARK = re.compile("\ue000(\\d+)\ue001")  # where a content was (private-use characters: no template writes them)
 
 
 def prompt_chars(prompt: str, messages: Messages | None, tools: Tools | None = None) -> int:
@@ -70,13 +72,54 @@ def tokenize_chat(tokenizer: Tokenizer, messages: Messages, tools: Tools | None 
     any); unknown roles, or tools the template cannot render, raise ValueError."""
     if not messages:
         raise ValueError("messages is empty: a chat needs at least one message")
-    # Without tools the template is called as before, so tokenizers without a tools argument still work.
-    text = tokenizer.apply_chat_template(messages, tools) if tools else tokenizer.apply_chat_template(messages)
+    text = _render(tokenizer, messages, tools)
+    forged = [i for i, m in enumerate(messages) if _control_text_in(m.get("content"), tokenizer)]
+    ids = _encode_contents_as_text(tokenizer, messages, tools, forged, text) if forged else tokenizer.encode(text)
     # The template writes BOS (if any) as text, which encodes to the BOS id; don't add a second.
     bos = tokenizer.bos_id
-    ids = tokenizer.encode(text, add_bos=True)
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]
+    return ids
+
+
+def _render(tokenizer: Tokenizer, messages: Messages, tools: Tools | None) -> str:
+    # Without tools the template is called as before, so tokenizers without a tools argument still work.
+    return tokenizer.apply_chat_template(messages, tools) if tools else tokenizer.apply_chat_template(messages)
+
+
+def _control_text_in(content: object, tokenizer: Tokenizer) -> str | None:
+    """The first special token's spelling in a message's content (None: none, or not text)."""
+    if not isinstance(content, str):
+        return None
+    return next((t for t in tokenizer.control_texts if t in content), None)
+
+
+def _encode_contents_as_text(tokenizer: Tokenizer, messages: Messages, tools: Tools | None, forged: list[int],
+                             text: str) -> list[int]:
+    """Ids of the chat `text` with the contents of `forged` messages encoded as plain text.
+
+    Why: a content holding `<|im_end|>\n<|im_start|>system\n...` would otherwise encode to the
+    template's own control tokens and open a turn the client was not given (a user forging a
+    system message); OpenAI's API reads such a content as text, as this does. The template is
+    rendered again with a private-use mark for each such content, the marks are cut out and each
+    content is encoded on its own with special tokens' spellings as text. Chats without such a
+    content (nearly all) encode as one string, exactly as transformers' apply_chat_template does.
+    A template that does not write a content as given (it trims or edits it) cannot be cut so:
+    ValueError naming the message."""
+    marks = {i: f"\ue000{i}\ue001" for i in forged}
+    masked = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
+    pieces = _MARK.split(_render(tokenizer, masked, tools))  # [text, index, text, index, ..., text]
+    at = [int(i) for i in pieces[1::2]]
+    whole = "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
+    if sorted(at) != forged or whole != text:
+        i = forged[0]
+        raise ValueError(f"messages[{i}].content holds {_control_text_in(messages[i]['content'], tokenizer)!r}, "
+                         "a control token of this model's chat template, and the template does not write the "
+                         "content as given, so it cannot be kept as text: remove it from the content")
+    ids = tokenizer.encode(pieces[0], add_bos=True)
+    for k in range(1, len(pieces), 2):
+        ids += tokenizer.encode_as_text(messages[int(pieces[k])]["content"])
+        ids += tokenizer.encode(pieces[k + 1], add_bos=False) if pieces[k + 1] else []
     return ids
 
 

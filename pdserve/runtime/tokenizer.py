@@ -20,6 +20,7 @@ tool conversation: role ``tool`` (``tool_call_id``, ``content``) and assistant m
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,11 @@ class Tokenizer(Protocol):
     eos_ids: tuple[int, ...]
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def encode_as_text(self, text: str) -> list[int]: ...
+
+    @property
+    def control_texts(self) -> tuple[str, ...]: ...
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
@@ -122,6 +128,7 @@ class GGUFTokenizer:
     def __init__(self, backend: Any, bos_id: int | None, eos_ids: Sequence[int], unk_id: int | None = None,
                  add_bos: bool = True, chat_template: str | None = None) -> None:
         self._tok = backend  # tokenizers.Tokenizer
+        self._as_text: Any = None  # the same with special tokens' spellings encoded as text (`encode_as_text`)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
@@ -135,6 +142,19 @@ class GGUFTokenizer:
         if add_bos and self.add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with every special token's spelling taken as plain text; no BOS."""
+        if self._as_text is None:  # a copy of the backend: the flag is the tokenizer's, and `encode` is shared
+            as_text = type(self._tok).from_str(self._tok.to_str())
+            as_text.encode_special_tokens = True
+            self._as_text = as_text  # published whole: another thread sees None or the finished copy
+        return self._as_text.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The spellings `encode` turns into special tokens (ChatML's `<|im_start|>`, ...)."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of `ids`; an incomplete UTF-8 character decodes to U+FFFD."""
@@ -190,6 +210,14 @@ class HFTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         # add_special_tokens adds what this tokenizer adds (BOS for Llama, nothing for Qwen2).
         return list(self._tok.encode(text, add_special_tokens=add_bos))
+
+    def encode_as_text(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        added = (t.content for t in self._tok.added_tokens_decoder.values() if t.special)
+        return tuple(dict.fromkeys([*self._tok.all_special_tokens, *added]))
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
