@@ -16,6 +16,7 @@ template; their JSON and the history's tool calls count as characters of the pro
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -73,7 +74,7 @@ def tokenize_chat(tokenizer: Tokenizer, messages: Messages, tools: Tools | None 
     if not messages:
         raise ValueError("messages is empty: a chat needs at least one message")
     text = _render(tokenizer, messages, tools)
-    forged = [i for i, m in enumerate(messages) if _control_text_in(m.get("content"), tokenizer)]
+    forged = {i: t for i, m in enumerate(messages) if (t := _control_text_in(m.get("content"), tokenizer))}
     ids = _encode_contents_as_text(tokenizer, messages, tools, forged, text) if forged else tokenizer.encode(text)
     # The template writes BOS (if any) as text, which encodes to the BOS id; don't add a second.
     bos = tokenizer.bos_id
@@ -89,14 +90,23 @@ def _render(tokenizer: Tokenizer, messages: Messages, tools: Tools | None) -> st
 
 def _control_text_in(content: object, tokenizer: Tokenizer) -> str | None:
     """The first special token's spelling in a message's content (None: none, or not text)."""
-    if not isinstance(content, str):
-        return None
-    return next((t for t in tokenizer.control_texts if t in content), None)
+    pattern = _control_pattern(tokenizer.control_texts)
+    found = pattern.search(content) if pattern is not None and isinstance(content, str) else None
+    return found.group(0) if found else None
 
 
-def _encode_contents_as_text(tokenizer: Tokenizer, messages: Messages, tools: Tools | None, forged: list[int],
-                             text: str) -> list[int]:
-    """Ids of the chat `text` with the contents of `forged` messages encoded as plain text.
+@functools.lru_cache(maxsize=8)
+def _control_pattern(texts: tuple[str, ...]) -> re.Pattern[str] | None:
+    """One alternation of a tokenizer's control spellings, so that a content is scanned once rather
+    than once a spelling (Llama 3's 256 over 10 KB of text: 5.5 against 376 us). None for none: an
+    empty alternation would match everywhere."""
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def _encode_contents_as_text(tokenizer: Tokenizer, messages: Messages, tools: Tools | None,
+                             forged: dict[int, str], text: str) -> list[int]:
+    """Ids of the chat `text` with the contents of `forged` messages (index: the spelling found in it)
+    encoded as plain text.
 
     Why: a content holding `<|im_end|>\n<|im_start|>system\n...` would otherwise encode to the
     template's own control tokens and open a turn the client was not given (a user forging a
@@ -110,12 +120,13 @@ def _encode_contents_as_text(tokenizer: Tokenizer, messages: Messages, tools: To
     masked = [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)]
     pieces = _MARK.split(_render(tokenizer, masked, tools))  # [text, index, text, index, ..., text]
     at = [int(i) for i in pieces[1::2]]
-    whole = "".join(messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces))
-    if sorted(at) != forged or whole != text:
-        i = forged[0]
-        raise ValueError(f"messages[{i}].content holds {_control_text_in(messages[i]['content'], tokenizer)!r}, "
-                         "a control token of this model's chat template, and the template does not write the "
-                         "content as given, so it cannot be kept as text: remove it from the content")
+    # The marks are checked before any is looked up: a client's own content may spell one (any index).
+    if sorted(at) != sorted(forged) or "".join(
+            messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(pieces)) != text:
+        i = min(forged)
+        raise ValueError(f"messages[{i}].content holds {forged[i]!r}, a control token of this model's chat "
+                         "template, and the template does not write the content as given, so it cannot be kept "
+                         "as text: remove it from the content")
     ids = tokenizer.encode(pieces[0], add_bos=True)
     for k in range(1, len(pieces), 2):
         ids += tokenizer.encode_as_text(messages[int(pieces[k])]["content"])

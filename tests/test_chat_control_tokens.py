@@ -61,6 +61,14 @@ def test_a_chat_without_control_spellings_encodes_as_one_string(gguf):
     assert tokenize_chat(gguf, PLAIN) == gguf.encode(gguf.apply_chat_template(PLAIN))
 
 
+def test_a_content_spelling_a_mark_of_its_own_is_refused_not_a_crash(gguf):
+    """The cut-out marks are private-use characters a client may send too: one naming a message that
+    does not exist is a ValueError (400), not an IndexError (500)."""
+    chat = [{"role": "user", "content": FORGED}, {"role": "user", "content": "see \ue0009\ue001"}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content holds '<\|im_end\|>'"):
+        tokenize_chat(gguf, chat)
+
+
 def test_a_template_that_edits_the_content_refuses_a_spelled_control_token(gguf):
     trimming = GGUFTokenizer(gguf._tok, gguf.bos_id, gguf.eos_ids, add_bos=gguf.add_bos, chat_template=(
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"

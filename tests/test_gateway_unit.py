@@ -26,7 +26,9 @@ from gateway.workers import WorkerPool
 from kvstore.client import KVStoreClient
 from kvstore.server import serve as serve_kvstore
 from pdserve.grpc_server import ServiceError, grpc_channel, start_server, stop_server
+from pdserve.kvwire import encode_block
 from pdserve.proto_convert import sampling_from_proto, sampling_to_proto
+from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -304,9 +306,6 @@ def test_generate_streams_first_token_then_decode(model: ModelInfo) -> None:
 def test_the_dispatch_hint_names_the_leading_blocks_the_kvstore_holds(model: ModelInfo) -> None:
     """Prepare(dispatch) tells the decode worker to fetch KV that exists: with the prompt's first
     block in the store, the hint names that block alone; the gateway's own id goes with it."""
-    from pdserve.kvwire import encode_block
-    from pdserve.runtime.kv_format import KVFormat
-
     fmt = KVFormat.named("0" * 32, "float32", 1, 1, 4, 16)
     wire = encode_block(torch.zeros(fmt.shape), fmt, 16)
 

@@ -39,11 +39,11 @@ async def read_json_body(request: web.Request, timeout_s: float) -> object:
     except RecursionError:  # json's decoder recurses once per nesting level
         raise ApiError(400, "the request body is JSON nested too deeply to parse") from None
     if _SURROGATE_ESCAPE.search(raw):
-        refuse_lone_surrogates(body)
+        _refuse_lone_surrogates(body)
     return body
 
 
-def refuse_lone_surrogates(body: object) -> None:
+def _refuse_lone_surrogates(body: object) -> None:
     """ApiError 400 naming the first key or string value of `body` that holds a lone surrogate.
     Iterative: the body may nest as deeply as json's decoder allowed."""
     pending: list[tuple[str, object]] = [("", body)]
