@@ -30,6 +30,7 @@ import grpc
 
 from gateway.config import DEFAULT_BIND, GatewayConfig  # noqa: F401 (DEFAULT_BIND: re-exported)
 from gateway.config import add_arguments as add_config_arguments
+from pdserve import thread_policy
 from pdserve.grpc_server import serve_until_signal, start_server, stop_server
 
 if TYPE_CHECKING:
@@ -322,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before its servers start threads: all of them are service threads.
+    thread_policy.apply(thread_policy.resolve(settings.process.service_threads, "batch"))
     try:
         asyncio.run(run_until_signal(settings))
     except (ValueError, OSError, ModelLoadError) as err:  # ExperimentConfigError is a ValueError

@@ -17,6 +17,7 @@ from kvstore.service import SERVICE_NAME, add_to_server
 from kvstore.store import MemoryBlockStore
 from kvstore.tiered import TieredStore
 from pdserve import log_privacy
+from pdserve import thread_policy
 from pdserve.grpc_server import ProcessConfig, serve_until_signal, start_server
 
 
@@ -67,6 +68,8 @@ def run(args: argparse.Namespace, log_format: str = "%(asctime)s kvstore %(level
         print(f"pdserve kvstore: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format=log_format)
+    # Before its servers start threads: all of them are service threads.
+    thread_policy.apply(thread_policy.resolve(config.process.service_threads, "batch"))
     asyncio.run(run_until_signal(config))
     return 0
 

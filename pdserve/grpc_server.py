@@ -44,7 +44,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve import internal_auth, telemetry
+from pdserve import internal_auth, telemetry, thread_policy
 from pdserve.config_flags import build, nested, setting
 from pdserve.grpc_decode import DecodeErrorInterceptor
 from pdserve.tls import TlsConfig
@@ -56,6 +56,7 @@ METRICS_PORT_ENV = "PDSERVE_METRICS_PORT"
 # /metrics has no key: by default it listens where the service does (a loopback service keeps it on
 # loopback; one that Prometheus must reach on 0.0.0.0 exposes it there too).
 METRICS_HOST_ENV = "PDSERVE_METRICS_HOST"
+SERVICE_THREADS_ENV = "PDSERVE_SERVICE_THREADS"
 DEFAULT_METRICS_HOST = "127.0.0.1"  # when neither the flag nor a bind address says
 _metrics_port: int | None = None  # the port this process serves /metrics on, once started
 
@@ -81,10 +82,18 @@ class ProcessConfig:
                                        env=METRICS_PORT_ENV, type=int, metavar="PORT", shown="off")
     metrics_host: str = setting("", "address /metrics listens on (it has no key: keep it off public "
                                 "interfaces)", env=METRICS_HOST_ENV, metavar="HOST", shown="the service's bind host")
+    service_threads: str = setting("auto", "scheduling policy of the process's service threads (gRPC, asyncio): "
+                                   "batch (SCHED_BATCH: their wake-ups do not preempt an engine's threads mid-step), "
+                                   "normal, or auto: batch in the gateway and the kvstore, normal in a worker "
+                                   "(pdserve.thread_policy)", env=SERVICE_THREADS_ENV,
+                                   choices=thread_policy.POLICIES)
 
     def __post_init__(self) -> None:
         telemetry.check_traces(self.traces)
         telemetry.check_protocol(self.traces_protocol)
+        if self.service_threads not in thread_policy.POLICIES:
+            raise ValueError(f"--service-threads / {SERVICE_THREADS_ENV} must be one of "
+                             f"{', '.join(thread_policy.POLICIES)}, got {self.service_threads!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port / {METRICS_PORT_ENV} must be in 0..65535, got {self.metrics_port}")
 

@@ -20,7 +20,7 @@ import grpc
 
 from kvstore.client import KVStoreClient, PutResult
 from pdserve import kv_mac
-from pdserve import telemetry
+from pdserve import telemetry, thread_policy
 from pdserve.grpc_server import DEFAULT_ERROR_CODES, mark_not_serving, serve_until_signal, start_server
 from pdserve.kvwire import encode_block
 from pdserve.runtime.kv_format import KVFormat
@@ -286,6 +286,8 @@ def run_worker(args: argparse.Namespace, service_name: str,
         return 2
     logging.basicConfig(level=config.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     warn_if_unsigned(config.kv_mac_key)
+    # Before the engine and the servers start threads.
+    thread_policy.apply(thread_policy.resolve(config.process.service_threads, "normal"))  # why normal: resolve
 
     async def main() -> None:
         # Before the engine exists: it asks once, when built, whether the process traces.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 from pathlib import Path
 
 import grpc
@@ -10,6 +11,7 @@ import pytest
 
 from waiting import wait_until
 from conftest import STORIES_GGUF
+from pdserve import thread_policy
 from pdserve.kvwire import encode_block
 from pdserve.runtime.kv_format import KVFormat
 from pdserve.runtime.block_hash import prompt_block_hashes
@@ -248,3 +250,31 @@ def test_a_port_taken_before_the_gateway_binds_it_starts_the_stack_again(monkeyp
             s.stop()
     finally:
         taken.close()
+
+
+def _threads(pid: int) -> list[tuple[str, int]]:
+    """(name, scheduling policy) of each thread of process `pid` (/proc: comm, and stat's 41st field)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            out.append(((task / "comm").read_text().strip(), int(stat.rsplit(")", 1)[1].split()[38])))
+        except (OSError, IndexError):  # the thread ended between listing and reading
+            continue
+    return out
+
+
+def test_the_gateway_and_kvstore_threads_run_under_sched_batch_and_the_workers_do_not(stack):
+    """pdserve.thread_policy's defaults: every thread of the gateway and the kvstore is SCHED_BATCH
+    (their wake-ups do not preempt an engine's OpenMP team mid-step); a worker's threads keep the
+    default policy, its engine thread and team under their own name."""
+    ids, _, _ = collect(stack.gateway_stub().Generate(gateway_pb2.GenerateRequest(
+        prompt=PROMPTS[0], sampling=greedy(8, ignore_eos=True))))
+    assert len(ids) == 8
+    for name in ("gateway", "kvstore"):
+        threads = _threads(stack.child(name).proc.pid)
+        assert threads and {policy for _, policy in threads} == {os.SCHED_BATCH}, (name, threads)
+    for name in ("prefill-0", "decode-0"):
+        threads = _threads(stack.child(name).proc.pid)
+        assert {policy for _, policy in threads} == {os.SCHED_OTHER}, (name, threads)
+        assert thread_policy.COMPUTE_THREAD_NAME in {comm for comm, _ in threads}, (name, threads)

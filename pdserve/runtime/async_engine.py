@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from pdserve import telemetry
+from pdserve import telemetry, thread_policy
 from pdserve.runtime import compute_threads, engine_metrics
 from pdserve.runtime.engine import AddRequest, Engine, EngineLoad, QueueFullError, RequestError, StepOutput
 from pdserve.runtime.kv_transfer import ExportedBlock
@@ -312,6 +312,9 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        # Named, and out of SCHED_BATCH if the process put its threads there (pdserve.thread_policy),
+        # before its first parallel op starts its OpenMP team, which inherits both.
+        thread_policy.run_as_compute_thread()
         if self.threads:
             compute_threads.claim(self.threads)
         while not self._stopping:
