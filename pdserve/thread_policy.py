@@ -10,12 +10,12 @@ millisecond, and its partner waits for it at the next barrier. A SCHED_BATCH thr
 not preempt: it runs when a core comes free (a team member asleep at a barrier, an engine between
 steps) or at the scheduler's next tick, and a burst of messages is then handled in one wake-up rather
 than one each. Nothing is lowered: the nice value stays, so these threads keep their fair share of
-the CPU; only when they take it changes. SmolLM2 through `pdserve up` on 2 cores, 32 streams, the
-gateway's CPU 4.3-4.6 -> 3.2-3.5 s over 128 requests and the client's 1.7-1.9 -> 1.4-1.5 (more
-messages a wake-up); tokens/s +5-8 % in three alternating pairs of bench-stack's default workload,
-within the host's noise at 200-token prompts; one stream unchanged. A worker's own service threads
-stay normal by default (`resolve`). Linux lets any process switch between these two policies (no
-privilege); elsewhere nothing changes.
+the CPU; only when they take it changes. SmolLM2 through the stack on 2 cores, bench-stack's default
+workload (32 streams, answers of 16-256 tokens), three alternating pairs: 679.5 / 606.9 / 662.8 against
+587.5 / 509.1 / 568.2 tok/s; the gateway's CPU 3.5-4.4 against 5.0-6.1 s, the client's 1.3-1.7
+against 2.1-2.3 (more messages a wake-up); 200-token prompts and one stream unchanged within the noise.
+A worker's own service threads stay normal by default (`resolve`). Linux lets any process switch
+between these two policies (no privilege); elsewhere nothing changes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def resolve(policy: str, service_default: str) -> str:
     whose threads are all service threads, "normal" for a worker. Why not batch in a worker too: its
     service threads share the interpreter lock with the engine thread, and one that holds it while
     the engine's team has both cores leaves the engine waiting for it; one stream through the stack
-    was 5-9 % slower that way (2 alternating pairs), 32 streams no faster."""
+    was 5-10 % slower that way (five alternating pairs), 32 streams no faster."""
     if policy not in POLICIES:
         raise ValueError(f"service thread policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return service_default if policy == "auto" else policy

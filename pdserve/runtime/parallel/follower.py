@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import thread_policy
 from pdserve.runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.runtime.parallel.group import ParallelConfig, TPGroup, init_group
 from pdserve.runtime.parallel.kv_shard import receive_block
@@ -99,6 +100,9 @@ def serve(model: TensorParallelModel, kv_cache: torch.Tensor, group: TPGroup) ->
 
 
 def run(spec: RankSpec) -> int:
+    # A rank computes on this thread: out of SCHED_BATCH if its worker's threads ran there when it
+    # started it (pdserve.thread_policy), before torch's OpenMP team exists.
+    thread_policy.run_as_compute_thread()
     if spec.threads:
         torch.set_num_threads(spec.threads)
     model, kv_cache, group = load_shard(spec)
