@@ -11,9 +11,10 @@ not preempt: it runs when a core comes free (a team member asleep at a barrier, 
 steps) or at the scheduler's next tick, and a burst of messages is then handled in one wake-up rather
 than one each. Nothing is lowered: the nice value stays, so these threads keep their fair share of
 the CPU; only when they take it changes. SmolLM2 through the stack on 2 cores, bench-stack's default
-workload (32 streams, answers of 16-256 tokens), three alternating pairs: 679.5 / 606.9 / 662.8 against
-587.5 / 509.1 / 568.2 tok/s; the gateway's CPU 3.5-4.4 against 5.0-6.1 s, the client's 1.3-1.7
-against 2.1-2.3 (more messages a wake-up); 200-token prompts and one stream unchanged within the noise.
+workload (32 streams, answers of 16-256 tokens), six alternating pairs: +1 to +19 % tok/s (679.5 / 606.9
+/ 662.8 / 700.8 / 665.2 / 605.5 against 587.5 / 509.1 / 568.2 / 633.1 / 646.6 / 601.6); the gateway's
+CPU 3.4-4.4 against 4.4-6.1 s, the client's 1.3-1.7 against 1.8-2.3 (more messages a wake-up);
+200-token prompts and one stream unchanged within the noise.
 A worker's own service threads stay normal by default (`resolve`). Linux lets any process switch
 between these two policies (no privilege); elsewhere nothing changes.
 """
