@@ -305,6 +305,9 @@ async def run_until_signal(settings: GatewayConfig) -> None:
                                    settings.block_size, kv_dtype, settings.max_inflight, http_bind=http_bind,
                                    model_name=settings.served_model_name, dtype=dtype, settings=settings)
     log.info("gateway listening on port %d", port)
+    # Once it serves (not before: a gateway that fails to start leaves its caller's threads alone),
+    # every thread it has, and those it starts later, which inherit it: all are service threads.
+    thread_policy.apply(thread_policy.resolve(settings.process.service_threads, "batch"))
     try:
         await serve_until_signal(server)
     finally:
@@ -323,8 +326,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Before its servers start threads: all of them are service threads.
-    thread_policy.apply(thread_policy.resolve(settings.process.service_threads, "batch"))
     try:
         asyncio.run(run_until_signal(settings))
     except (ValueError, OSError, ModelLoadError) as err:  # ExperimentConfigError is a ValueError

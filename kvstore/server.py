@@ -52,6 +52,8 @@ async def run_until_signal(config: KVStoreConfig) -> None:
     server, port, store = await serve_store(config)
     backend = log_privacy.url(config.redis_url) or "none"
     logging.getLogger("kvstore").info("kvstore listening on port %d (redis tier: %s)", port, backend)
+    # Once it serves, every thread it has and starts later (which inherit it): all are service threads.
+    thread_policy.apply(thread_policy.resolve(config.process.service_threads, "batch"))
     try:
         await serve_until_signal(server)
     finally:
@@ -68,8 +70,6 @@ def run(args: argparse.Namespace, log_format: str = "%(asctime)s kvstore %(level
         print(f"pdserve kvstore: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format=log_format)
-    # Before its servers start threads: all of them are service threads.
-    thread_policy.apply(thread_policy.resolve(config.process.service_threads, "batch"))
     asyncio.run(run_until_signal(config))
     return 0
 

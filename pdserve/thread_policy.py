@@ -50,15 +50,18 @@ def supported() -> bool:
 
 def apply(policy: str) -> int:
     """Put every thread this process has now under `policy`, "batch" or "normal" (threads it starts
-    later inherit it from the thread that starts them); the number of threads changed. "normal"
-    leaves threads alone."""
+    later inherit it from the thread that starts them); the number of threads changed. "normal" moves
+    only SCHED_BATCH threads (a process started by a batch thread inherits that policy; one someone
+    chose otherwise, e.g. real-time, stays)."""
     if policy not in POLICIES[1:]:
         raise ValueError(f"a thread policy to apply is batch or normal, got {policy!r}")
-    if policy == "normal" or not supported():
+    if not supported():
         return 0
     changed = 0
     for tid in os.listdir("/proc/self/task"):
         try:
+            if policy == "normal" and os.sched_getscheduler(int(tid)) != _SCHED["batch"]:
+                continue
             os.sched_setscheduler(int(tid), _SCHED[policy], os.sched_param(0))
             changed += 1
         except OSError as err:  # the thread ended meanwhile, or a policy this process may not leave

@@ -50,9 +50,13 @@ print(json.dumps({"changed": changed, "main": os.sched_getscheduler(0), "started
 """
 
 
-def _run(policy: str) -> dict:
+def _run(policy: str, started_batch: bool = False) -> dict:
+    """What CHILD saw with `policy` applied; `started_batch`: the child starts under SCHED_BATCH, as a
+    process that a batch thread starts does."""
     code = CHILD.replace("POLICY", repr(policy))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    start = (lambda: os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))) if started_batch else None
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         preexec_fn=start)
     return json.loads(out.stdout)
 
 
@@ -68,15 +72,19 @@ def test_batch_puts_service_threads_under_sched_batch_and_the_engine_team_under_
     assert set(others) == {os.SCHED_BATCH}
 
 
-def test_normal_leaves_every_thread_alone() -> None:
+def test_normal_leaves_normal_threads_alone_and_still_names_the_engine_thread() -> None:
     got = _run("normal")
     assert got["changed"] == 0
     assert {p for _, p in got["threads"].values()} == {os.SCHED_OTHER}
-
-
-def test_normal_still_names_the_engine_thread() -> None:
-    names = [comm for comm, _ in _run("normal")["threads"].values()]
+    names = [comm for comm, _ in got["threads"].values()]
     assert names.count(thread_policy.COMPUTE_THREAD_NAME) >= 2  # the engine thread and its team
+
+
+def test_normal_takes_a_process_started_under_batch_out_of_it() -> None:
+    got = _run("normal", started_batch=True)
+    assert got["changed"] >= 2  # the main thread and the one started before
+    assert got["main"] == os.SCHED_OTHER and got["started"] == os.SCHED_OTHER
+    assert {p for _, p in got["threads"].values()} == {os.SCHED_OTHER}
 
 
 def test_auto_is_the_services_choice() -> None:
