@@ -74,7 +74,8 @@ def tokenize_chat(tokenizer: Tokenizer, messages: Messages, tools: Tools | None 
     if not messages:
         raise ValueError("messages is empty: a chat needs at least one message")
     text = _render(tokenizer, messages, tools)
-    forged = {i: t for i, m in enumerate(messages) if (t := _control_text_in(m.get("content"), tokenizer))}
+    pattern = _control_pattern(tokenizer.control_texts)  # once a chat, not once a message
+    forged = {i: t for i, m in enumerate(messages) if (t := _control_text_in(m.get("content"), pattern))}
     ids = _encode_contents_as_text(tokenizer, messages, tools, forged, text) if forged else tokenizer.encode(text)
     # The template writes BOS (if any) as text, which encodes to the BOS id; don't add a second.
     bos = tokenizer.bos_id
@@ -88,9 +89,8 @@ def _render(tokenizer: Tokenizer, messages: Messages, tools: Tools | None) -> st
     return tokenizer.apply_chat_template(messages, tools) if tools else tokenizer.apply_chat_template(messages)
 
 
-def _control_text_in(content: object, tokenizer: Tokenizer) -> str | None:
-    """The first special token's spelling in a message's content (None: none, or not text)."""
-    pattern = _control_pattern(tokenizer.control_texts)
+def _control_text_in(content: object, pattern: re.Pattern[str] | None) -> str | None:
+    """The first control spelling `pattern` finds in a message's content (None: none, or not text)."""
     found = pattern.search(content) if pattern is not None and isinstance(content, str) else None
     return found.group(0) if found else None
 

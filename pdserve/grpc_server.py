@@ -91,9 +91,6 @@ class ProcessConfig:
     def __post_init__(self) -> None:
         telemetry.check_traces(self.traces)
         telemetry.check_protocol(self.traces_protocol)
-        if self.service_threads not in thread_policy.POLICIES:
-            raise ValueError(f"--service-threads / {SERVICE_THREADS_ENV} must be one of "
-                             f"{', '.join(thread_policy.POLICIES)}, got {self.service_threads!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port / {METRICS_PORT_ENV} must be in 0..65535, got {self.metrics_port}")
 

@@ -14,9 +14,9 @@ the CPU; only when they take it changes. SmolLM2 through the stack on 2 cores, b
 workload (32 streams, answers of 16-256 tokens), six alternating pairs: +1 to +19 % tok/s (679.5 / 606.9
 / 662.8 / 700.8 / 665.2 / 605.5 against 587.5 / 509.1 / 568.2 / 633.1 / 646.6 / 601.6); the gateway's
 CPU 3.4-4.4 against 4.4-6.1 s, the client's 1.3-1.7 against 1.8-2.3 (more messages a wake-up);
-200-token prompts and one stream unchanged within the noise.
-A worker's own service threads stay normal by default (`resolve`). Linux lets any process switch
-between these two policies (no privilege); elsewhere nothing changes.
+200-token prompts and one stream unchanged within the noise. A worker's own service threads stay
+normal by default (`resolve`). Linux lets any process switch between these two policies (no
+privilege); elsewhere nothing changes.
 """
 
 from __future__ import annotations
@@ -50,29 +50,17 @@ def supported() -> bool:
 
 def apply(policy: str) -> int:
     """Put every thread this process has now under `policy`, "batch" or "normal" (threads it starts
-    later inherit it from the thread that starts them); the number of threads changed. "normal" moves
-    only SCHED_BATCH threads (a process started by a batch thread inherits that policy; one someone
-    chose otherwise, e.g. real-time, stays)."""
+    later inherit it from the thread that starts them); the number of threads changed."""
     if policy not in POLICIES[1:]:
         raise ValueError(f"a thread policy to apply is batch or normal, got {policy!r}")
     if not supported():
         return 0
-    changed = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            if policy == "normal" and os.sched_getscheduler(int(tid)) != _SCHED["batch"]:
-                continue
-            os.sched_setscheduler(int(tid), _SCHED[policy], os.sched_param(0))
-            changed += 1
-        except OSError as err:  # the thread ended meanwhile, or a policy this process may not leave
-            log.debug("thread %s keeps its scheduling policy: %s", tid, err)
-    return changed
+    return sum(_switch(int(tid), policy) for tid in os.listdir("/proc/self/task"))
 
 
 def run_as_compute_thread(name: str = COMPUTE_THREAD_NAME) -> None:
     """An engine thread's start: named `name` in the kernel (`top -H`, /proc/PID/task/TID/comm), and
-    under SCHED_OTHER if it inherited SCHED_BATCH (a policy someone chose otherwise, e.g. real-time,
-    stays). The OpenMP team it starts afterwards inherits both."""
+    under SCHED_OTHER if it inherited SCHED_BATCH. The OpenMP team it starts afterwards inherits both."""
     if not supported():
         return
     try:
@@ -80,9 +68,18 @@ def run_as_compute_thread(name: str = COMPUTE_THREAD_NAME) -> None:
             comm.write(name[:15])  # the kernel keeps 15 bytes
     except OSError as err:
         log.debug("the engine thread keeps its name: %s", err)
-    if os.sched_getscheduler(0) != _SCHED["batch"]:
-        return
+    _switch(0, "normal")
+
+
+def _switch(tid: int, policy: str) -> bool:
+    """Thread `tid` (0: the calling one) under `policy`; whether it changed. "normal" moves only a
+    SCHED_BATCH thread: a process a batch thread started inherits that policy, while one someone
+    chose otherwise (real-time, idle) stays."""
     try:
-        os.sched_setscheduler(0, _SCHED["normal"], os.sched_param(0))
-    except OSError as err:
-        log.warning("the engine thread stays under SCHED_BATCH: %s", err)
+        if policy == "normal" and os.sched_getscheduler(tid) != _SCHED["batch"]:
+            return False
+        os.sched_setscheduler(tid, _SCHED[policy], os.sched_param(0))
+        return True
+    except OSError as err:  # the thread ended meanwhile, or a policy this process may not leave
+        log.debug("thread %s keeps its scheduling policy: %s", tid or "(this one)", err)
+        return False

@@ -128,7 +128,6 @@ class GGUFTokenizer:
     def __init__(self, backend: Any, bos_id: int | None, eos_ids: Sequence[int], unk_id: int | None = None,
                  add_bos: bool = True, chat_template: str | None = None) -> None:
         self._tok = backend  # tokenizers.Tokenizer
-        self._as_text: Any = None  # the same with special tokens' spellings encoded as text (`encode_as_text`)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
@@ -145,11 +144,15 @@ class GGUFTokenizer:
 
     def encode_as_text(self, text: str) -> list[int]:
         """Token ids of `text` with every special token's spelling taken as plain text; no BOS."""
-        if self._as_text is None:  # a copy of the backend: the flag is the tokenizer's, and `encode` is shared
-            as_text = type(self._tok).from_str(self._tok.to_str())
-            as_text.encode_special_tokens = True
-            self._as_text = as_text  # published whole: another thread sees None or the finished copy
         return self._as_text.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _as_text(self) -> Any:
+        """A copy of the backend that encodes special tokens' spellings as text: the flag is the
+        tokenizer's own, and `encode` shares the backend. Built at the first such content."""
+        as_text = type(self._tok).from_str(self._tok.to_str())
+        as_text.encode_special_tokens = True
+        return as_text
 
     @functools.cached_property
     def control_texts(self) -> tuple[str, ...]:
