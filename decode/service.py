@@ -113,7 +113,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             imported = True
                             lease.end(drop=False)  # the KV is in our cache now
                         if writer is not None:
-                            writer.extend([t for o in outs for t in o.new_token_ids])
+                            writer.extend([t for o in outs for t in o.new_token_ids], last=bool(outs[-1].finish_reason))
                         unsent.extend(outs)
                         if unsent.ready():
                             yield unsent.take()

@@ -1,14 +1,15 @@
 """The decode worker's write-back (decode.write_back) against a real kvstore on loopback, with the real
 servicers and engines (stories260K): after concurrent decodes every full block of each sequence (prompt
 and generated tokens) is in the store, under the hash chain the engine names it by, the blocks that
-filled while a write was in flight went out together (fewer writes than blocks), and no block reached
+filled while a write was in flight went out together (fewer writes than blocks), a filled block
+waits for a batch, its sequence's end or the queue's longest wait (not a write each), and no block reached
 the store twice: the prompt blocks a prefill worker put are skipped without asking the store, those a
 sequence prefilled on the decode worker found there are skipped after asking it."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import torch
@@ -125,6 +126,65 @@ def test_a_sequence_prefilled_on_the_decode_worker_writes_only_the_blocks_the_st
 
 async def _written(decoder: DecodeServicer) -> None:
     """Until the write-back queue has nothing waiting and no write in flight."""
-    queue = decoder.write_queue
-    while queue._waiting or (queue._writer is not None and not queue._writer.done()):
+    while not decoder.write_queue.idle:
         await asyncio.sleep(0.01)
+
+
+async def _present_within(worker: Worker, hashes: list[bytes], timeout_s: float) -> list[bool]:
+    """The store's presence of `hashes` once all are there, or as last seen at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not all(present := await worker.kv.presence(hashes)) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return present
+
+
+def _paused_decode_scenario(batch_blocks: int, max_wait_s: float, paused: Callable[..., Awaitable[object]]):
+    """One sequence (2 prompt blocks and a partial one) decoded until its first generated block is
+    full; then `paused(decode worker, decoder, that block's hash)` runs while the stream is not read
+    (the engine goes on; the servicer sees nothing), then the stream is read to its end. Returns
+    what `paused` returned and whether every block of the sequence was in the store afterwards."""
+    torch.set_num_threads(1)
+    checkpoint = load_checkpoint(STORIES_GGUF)
+    prompt = (checkpoint.tokenizer.encode("Once upon a time, there was a little girl named Lily") * 4)[:2 * BS + 3]
+    sampling = common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+    async def scenario() -> tuple[object, bool]:
+        async with _kvstore_and_workers(checkpoint) as (prefill, decode):
+            decoder = DecodeServicer(decode, write_back=True)
+            decoder.write_queue.batch_blocks, decoder.write_queue.max_wait_s = batch_blocks, max_wait_s
+            done = await PrefillServicer(prefill).Prefill(worker_pb2.PrefillRequest(
+                request_id="r", token_ids=prompt, sampling=sampling), None)
+            tokens = [done.first_token]
+            stream = decoder.Decode(worker_pb2.DecodeRequest(
+                request_id="r", prompt_token_ids=prompt, first_token=done.first_token,
+                block_hashes=done.block_hashes, sampling=sampling), None)
+            while len(prompt) + len(tokens) <= 3 * BS + 1:  # until block 2 (the first generated) is full
+                tokens.extend((await anext(stream)).token_ids)
+            first_generated = decode.kv_format.reusable_hashes(prompt + tokens)[2]
+            seen = await paused(decode, decoder, first_generated)
+            tokens.extend([t async for chunk in stream for t in chunk.token_ids])
+            await asyncio.wait_for(_written(decoder), 30)  # the timer may hold a write back: no deadline
+            return seen, all(await decode.kv.presence(decode.kv_format.reusable_hashes(prompt + tokens)))
+    return asyncio.run(scenario())
+
+
+def test_a_filled_block_waits_for_others_and_a_finished_sequence_writes_at_once():
+    """No batch, no timer: the full block waits while the sequence runs (a write per filled block
+    is what the queue saves), and its last chunk sends every block without waiting."""
+    async def paused(decode: Worker, decoder: DecodeServicer, block: bytes) -> tuple[bool, int]:
+        await asyncio.sleep(0)  # a write started at once would be under way now
+        return (await decode.kv.presence([block]))[0], decoder.write_queue.writes
+
+    (present_while_running, writes), all_present = _paused_decode_scenario(10_000, 3600.0, paused)
+    assert not present_while_running and writes == 0, "a filled block was written before a batch or the end"
+    assert all_present, "the finished sequence's blocks did not go out at its end"
+
+
+def test_a_filled_block_is_written_within_the_longest_wait_while_its_sequence_runs():
+    """What a crash can lose is bounded: with no batch and no end in sight, the timer sends it."""
+    async def paused(decode: Worker, decoder: DecodeServicer, block: bytes) -> list[bool]:
+        return await _present_within(decode, [block], 20.0)
+
+    present_while_running, all_present = _paused_decode_scenario(10_000, 0.2, paused)
+    assert present_while_running == [True], "the waiting block was never written while its sequence ran"
+    assert all_present
