@@ -138,7 +138,8 @@ async def _present_within(worker: Worker, hashes: list[bytes], timeout_s: float)
     return present
 
 
-def _paused_decode_scenario(batch_blocks: int, max_wait_s: float, paused: Callable[..., Awaitable[object]]):
+def _paused_decode_scenario(batch_blocks: int, max_wait_s: float,
+                            paused: Callable[..., Awaitable[object]]) -> tuple[object, bool]:
     """One sequence (2 prompt blocks and a partial one) decoded until its first generated block is
     full; then `paused(decode worker, decoder, that block's hash)` runs while the stream is not read
     (the engine goes on; the servicer sees nothing), then the stream is read to its end. Returns
@@ -163,7 +164,7 @@ def _paused_decode_scenario(batch_blocks: int, max_wait_s: float, paused: Callab
             first_generated = decode.kv_format.reusable_hashes(prompt + tokens)[2]
             seen = await paused(decode, decoder, first_generated)
             tokens.extend([t async for chunk in stream for t in chunk.token_ids])
-            await asyncio.wait_for(_written(decoder), 30)  # the timer may hold a write back: no deadline
+            await asyncio.wait_for(_written(decoder), 30)  # the end sent what waited
             return seen, all(await decode.kv.presence(decode.kv_format.reusable_hashes(prompt + tokens)))
     return asyncio.run(scenario())
 
