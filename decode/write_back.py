@@ -50,9 +50,9 @@ MAX_WAIT_S = 0.5  # the longest a filled block waits for others: what a crash ca
 class WriteBackQueue:
     """The worker's blocks waiting to be written back, written by one background task at a time.
 
-    A write starts when `batch_blocks` blocks wait, when a sequence's last blocks arrive or a
-    handover flushes (`now`), or `max_wait_s` after the oldest waiting block, whichever comes first;
-    it takes everything waiting then."""
+    A write starts when `batch_blocks` blocks wait, when a sequence ends or a handover flushes
+    (`write_now`), or `max_wait_s` after the oldest waiting block, whichever comes first; it takes
+    everything waiting then."""
 
     def __init__(self, worker: Worker, spawn: Spawn, batch_blocks: int = BATCH_BLOCKS,
                  max_wait_s: float = MAX_WAIT_S) -> None:
@@ -61,7 +61,6 @@ class WriteBackQueue:
         self.batch_blocks = batch_blocks
         self.max_wait_s = max_wait_s
         self._waiting: list[tuple[BlockWriteBack, list[bytes], asyncio.Future]] = []
-        self._waiting_blocks = 0
         self._due = False  # the waiting blocks should go out now
         self._timer: asyncio.TimerHandle | None = None
         self._writer: asyncio.Future | None = None
@@ -73,16 +72,14 @@ class WriteBackQueue:
         """Nothing waits and no write is in flight."""
         return not self._waiting and (self._writer is None or self._writer.done())
 
-    def add(self, writer: BlockWriteBack, hashes: list[bytes], now: bool = False) -> asyncio.Future:
-        """Queue `writer`'s new full blocks (`now`: its last ones, written without waiting for
-        others); the future ends when the write holding them has."""
+    def add(self, writer: BlockWriteBack, hashes: list[bytes]) -> asyncio.Future:
+        """Queue `writer`'s new full blocks; the future ends when the write holding them has."""
         done = asyncio.get_running_loop().create_future()
         self._waiting.append((writer, hashes, done))
-        self._waiting_blocks += len(hashes)
-        if now or self._waiting_blocks >= self.batch_blocks:
+        if sum(len(hs) for _, hs, _ in self._waiting) >= self.batch_blocks:
             self.write_now()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self.write_now)
+        else:
+            self._start_timer()
         return done
 
     def write_now(self) -> None:
@@ -99,14 +96,19 @@ class WriteBackQueue:
     async def _write_while_due(self) -> None:
         while self._due and self._waiting:
             self._due = False
-            batch, self._waiting, self._waiting_blocks = self._waiting, [], 0
+            batch, self._waiting = self._waiting, []
             try:
                 await self._write(batch)
             finally:
                 for _, _, done in batch:
                     if not done.done():
                         done.set_result(None)
-        if self._waiting and self._timer is None:  # blocks that came during the write, not due yet
+        if self._waiting:  # blocks that came during the write, not due yet
+            self._start_timer()
+
+    def _start_timer(self) -> None:
+        """The oldest waiting block's deadline, unless one runs already."""
+        if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self.write_now)
 
     async def _write(self, batch: list[tuple[BlockWriteBack, list[bytes], asyncio.Future]]) -> None:
@@ -154,10 +156,10 @@ class BlockWriteBack:
         self.tokens.extend(new_tokens)
         new = self._new_full_blocks()
         if new:
-            done = self._queue.add(self, new, now=last)
+            done = self._queue.add(self, new)
             self._pending.add(done)
             done.add_done_callback(self._pending.discard)
-        elif last and self._pending:
+        if last and self._pending:
             self._queue.write_now()
 
     async def flush(self, timeout_s: float) -> bool:
