@@ -30,6 +30,19 @@ def test_the_in_process_engine_is_configured_as_the_workers_are() -> None:
         assert engine.config.cache.dtype == prefill.cache.dtype == _worker_config("decode", *flags).cache.dtype
 
 
+def test_step_threads_reach_the_in_process_engine_and_the_stacks_decode_worker() -> None:
+    """--step-threads is the thread-for-thread comparison's other half: the C step of both runs."""
+    from pdserve.commands.up import plan
+
+    args = build_parser().parse_args(["bench-stack", "--model", str(STORIES_GGUF), "--step-threads", "2"])
+    engine, _ = bench_stack.in_process_engine(args)
+    assert engine.config.step_threads == 2
+    workers, _ = plan(build_parser().parse_args(["up", *bench_stack.engine_flags(args)]))
+    decode = next(w for w in workers if w.name.startswith("decode"))
+    cli = decode.command[decode.command.index("decode"):]
+    assert engine_config_from_args(build_parser().parse_args(list(cli))).step_threads == 2
+
+
 def test_tiny_run_on_a_real_stack(tmp_path) -> None:
     out = tmp_path / "stack.json"
     args = build_parser().parse_args([

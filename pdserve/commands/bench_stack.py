@@ -60,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-threads", type=int, default=None,
                    help="torch threads of the in-process engine (default: every core this process may use, "
                         "the machine the stack's processes share)")
+    p.add_argument("--step-threads", type=int, default=0,
+                   help="threads of the one-call C decode step, in both runs (0: each engine's torch threads of "
+                        "the moment); with --engine-threads, a comparison thread for thread: the stack's other "
+                        "processes then have the cores its decode worker leaves")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results as JSON to this path ('-': stdout)")
 
@@ -155,6 +159,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--dtype", args.dtype, "--weight-format", args.weight_format, "--dense-copy", args.dense_copy,
              "--int8-prompts", args.int8_prompts]
     flags += ["--kv-dtype", args.kv_dtype] if args.kv_dtype else []
+    flags += ["--step-threads", str(args.step_threads)] if args.step_threads else []
     return flags + (["--model", args.model] if args.model else [])
 
 
@@ -198,6 +203,7 @@ def report(runs: list[StackRun], kv_per_request: float, cpu: dict[str, float], a
     rows = [r.summary() for r in runs]
     data = {"concurrency": args.concurrency, "prefill_workers": args.prefill, "decode_workers": args.decode,
             "stack_threads": args.threads, "engine_threads": engine_threads(args),
+            "step_threads": args.step_threads,
             "runs": rows, "ratio": round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 2),
             "kv_bytes_per_request": round(kv_per_request), "cpu_seconds_during_run": cpu}
     print(f"{'run':<15}{'seconds':>9}{'out tok':>9}{'tok/s':>9}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}")
