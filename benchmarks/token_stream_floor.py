@@ -13,7 +13,7 @@ routing or metrics: grpc.aio and asyncio alone. Two layouts of the first hop:
 Prints one JSON line, then a table: CPU microseconds a token in each process, and the share of a
 core that costs at 1,000 tokens/s. Why this exists: stack / in-process at bench-stack's
 decode-heavy default workload is bounded by the CPU its other processes take from the engine's two
-cores (README, Benchmarks, stop 61); this is the part of it no code of ours can remove, short of
+cores (README, Benchmarks); this is the part of it no code of ours can remove, short of
 sending fewer messages.
 """
 
