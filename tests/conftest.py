@@ -239,6 +239,8 @@ STACK_TESTS = {
     "test_up.py::test_supervisor_reports_a_dead_child_and_kills_stubborn_ones",  # Supervisor, real children
     "test_up.py::test_supervisor_startup_timeout_names_the_child",  # Supervisor, a real child
     "test_up.py::test_up_serves_and_stops_cleanly_on_sigterm",  # `pdserve up` subprocess
+    # benchmarks/token_stream_floor.py: its two gRPC server processes
+    "test_token_stream_floor.py::test_both_layouts_deliver_every_token_and_count_each_process",
 }
 
 
