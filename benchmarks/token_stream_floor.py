@@ -24,7 +24,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,16 +32,11 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from pdserve.ports import free_port  # noqa: E402
 from pdserve.v1 import gateway_pb2, worker_pb2  # noqa: E402
 
 SERVICE = "floor.Tokens"
 CHUNK, RESPONSE = worker_pb2.DecodeChunk, gateway_pb2.GenerateResponse
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve(port: int, handlers: dict, response_type, ready) -> None:
@@ -138,7 +132,7 @@ def cpu_s(pid: int) -> float:
 
 def measure(args: argparse.Namespace, method: str) -> dict:
     ctx = mp.get_context("spawn")  # a fork would copy this process's gRPC state, used by the last run
-    ports, ready = [_free_port(), _free_port()], [ctx.Event(), ctx.Event()]
+    ports, ready = [free_port(), free_port()], [ctx.Event(), ctx.Event()]
     procs = [ctx.Process(target=source, args=(ports[0], args, ready[0]), daemon=True),
              ctx.Process(target=relay, args=(ports[1], ports[0], args, ready[1]), daemon=True)]
     for p, r in zip(procs, ready):
