@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway import server as gateway_server
 from gateway.config import GatewayConfig
 from gateway.request_limits import RequestLimits
+from gateway.http.app import LINGER_S
 from conftest import start_keyed_stack
 from waiting import wait_until
 from pdserve.ports import free_port
@@ -268,9 +269,14 @@ async def _slow_clients() -> None:
         with socket.create_connection(("127.0.0.1", port)) as slow_body:
             slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                               b"Content-Length: 1000\r\n\r\n{\"model\":")
+            start = time.monotonic()
             closed, reply = await asyncio.to_thread(_closed_within, slow_body, 30)
             assert closed and reply.startswith(b"HTTP/1.1 408"), reply[:200]
             assert b"--http-body-timeout-s" in reply
+            # The lingering close after the 408 is bounded too (aiohttp's own would hold it 10 s more);
+            # the margin is for a slow machine: both bounds are the server's clock, not this one's work.
+            held = time.monotonic() - start
+            assert held < 1 + LINGER_S + 5, f"the connection stayed open {held:.1f} s after its body stalled"
     finally:
         await gateway_server.stop(server, grace_s=1)
 

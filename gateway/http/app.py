@@ -7,7 +7,8 @@ Slow clients: a connection must send a whole request head within --http-header-t
 connecting (or of its last response), else it is closed. That is aiohttp's keep-alive timer, which
 starts when the connection opens and closes it if it is still waiting for a request head when the
 timer fires (bytes of a half-sent head do not reset it); a running request is never cut by it.
-The body has its own bound (handlers, --http-body-timeout-s).
+The body has its own bound (handlers, --http-body-timeout-s). A response sent before its request's
+body was read (a 408, 413 or 401) closes the connection after at most LINGER_S more seconds.
 
 Around every handler, outermost first (docs/http-surface.md):
   `trace_requests`  the request's SERVER span, continuing the caller's W3C `traceparent` (tracing on);
@@ -44,6 +45,11 @@ from gateway.slo import SloMonitor
 from pdserve.tls import TlsConfig
 
 log = logging.getLogger(__name__)
+# How long aiohttp's lingering close goes on reading (and dropping) the rest of a body its response did
+# not read, so that the client gets the response before a reset. Its default is 10 s: a slow-body
+# client got 10 s past --http-body-timeout-s, and a 413's sender 10 s more of upload. A client sending
+# at a normal pace finishes within this; one that trickles is cut.
+LINGER_S = 2.0
 
 # Requests to these start a trace of their own; others (/health, /metrics, the page) only continue one.
 TRACED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -161,7 +167,7 @@ async def start_http(app: web.Application, bind: str, grace_s: float = 5.0, *,
     # request's downstream calls (the default would let it run on, holding KV, until the next write).
     # keepalive_timeout: the slow-header bound (module docstring); aiohttp's default is an hour.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s,
-                           keepalive_timeout=header_timeout_s)
+                           keepalive_timeout=header_timeout_s, lingering_time=LINGER_S)
     await runner.setup()
     config = tls or TlsConfig()  # HTTPS with the gateway's certificate when it has one (pdserve.tls)
     site = web.TCPSite(runner, host, port, ssl_context=config.http_ssl_context() if config.serves_tls else None)
