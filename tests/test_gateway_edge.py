@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import statistics
 import threading
@@ -283,6 +284,38 @@ async def _slow_clients() -> None:
 
 def test_slow_clients_are_disconnected():
     asyncio.run(_slow_clients())
+
+
+async def _malformed_requests(raw_requests: list[bytes]) -> list[bytes]:
+    """What a gateway's HTTP server answers each raw request (no workers: none gets that far)."""
+    dead = f"127.0.0.1:{free_port()}"
+    server, _ = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0")
+    port = gateway_server.http_server(server).port
+    replies = []
+    try:
+        for raw in raw_requests:
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(raw)
+                closed, reply = await asyncio.to_thread(_closed_within, sock, 30)
+                assert closed, raw[:60]
+                replies.append(reply)
+    finally:
+        await gateway_server.stop(server, grace_s=1)
+    return replies
+
+
+def test_a_malformed_request_is_one_warning_line_without_its_bytes(caplog):
+    """aiohttp answers 400 and would log a traceback quoting the offending line (here a credential)."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+    long_line = b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-SECRET" + b"s" * 10_000 + b"\r\n\r\n"
+    many = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(5000)) + b"\r\n"
+    replies = asyncio.run(_malformed_requests([long_line, many]))
+    assert all(reply.split(b" ")[1] == b"400" for reply in replies), [r[:40] for r in replies]
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [(r.levelno, r.exc_info) for r in records] == [(logging.WARNING, None)] * 2, records
+    lines = [r.getMessage() for r in records]
+    assert "LineTooLong" in lines[0] and "Too many headers" in lines[1], lines
+    assert all("answered 400" in line and "SECRET" not in line for line in lines), lines
 
 
 # ---- the pieces, without a stack --------------------------------------------------------------

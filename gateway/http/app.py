@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import Counter
 
 from gateway import auth
@@ -156,6 +157,33 @@ def split_bind(bind: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+_QUOTED_BYTES = re.compile(r"""b['"].*""", re.S)  # a bytes literal the parser quotes, to the end
+
+
+class MalformedRequestLines(logging.Filter):
+    """aiohttp logs a request it could not parse (a header line past 8 KB, too many headers, a broken
+    request line or chunk) at ERROR with a traceback, after it has answered 400. Such a request is
+    the client's mistake, and a peer sending garbage must not fill the log with tracebacks (ten lines
+    each): one WARNING line instead, naming the peer and the parser's reason, without the bytes the
+    reason quotes (a header line can hold a credential: pdserve.log_privacy). Errors of our handlers
+    (a 500) keep their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = _QUOTED_BYTES.sub("<bytes hidden>", str(exc.message))
+            record.msg, record.args = "%s: answered 400: %s: %s", (record.getMessage(), type(exc).__name__, reason)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _one_line_malformed_requests() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestLines) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestLines())
+
+
 async def start_http(app: web.Application, bind: str, grace_s: float = 5.0, *,
                      header_timeout_s: float = RequestLimits().http_header_timeout_s,
                      tls: TlsConfig | None = None) -> HttpServer:
@@ -163,6 +191,7 @@ async def start_http(app: web.Application, bind: str, grace_s: float = 5.0, *,
     gets `header_timeout_s` to send each request head (--http-header-timeout-s); HTTPS when `tls`
     has a certificate (the gateway's, pdserve.tls)."""
     host, port = split_bind(bind)
+    _one_line_malformed_requests()
     # handler_cancellation: a client that disconnects cancels its handler, and with it the
     # request's downstream calls (the default would let it run on, holding KV, until the next write).
     # keepalive_timeout: the slow-header bound (module docstring); aiohttp's default is an hour.
