@@ -32,6 +32,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from pdserve.commands.bench_stack import cpu_seconds  # noqa: E402
 from pdserve.ports import free_port  # noqa: E402
 from pdserve.v1 import gateway_pb2, worker_pb2  # noqa: E402
 
@@ -70,21 +71,17 @@ def source(port: int, args: argparse.Namespace, ready) -> None:
                 ticks.append(asyncio.Event())
                 ticks[-2].set()
 
-        async def stream(width: int):
-            if not ticker:  # the clock starts with the first call
-                ticker.append(asyncio.get_running_loop().create_task(tick()))
-            for i in range(args.tokens):
-                await ticks[-1].wait()
-                yield CHUNK(token_ids=[i] * width)
-
-        async def per_stream(request, context):  # (grpc.aio wants async generator functions as handlers)
-            async for chunk in stream(1):
-                yield chunk
-
-        async def multiplexed(request, context):
-            async for chunk in stream(args.streams):
-                yield chunk
-        await _serve(port, {"PerStream": per_stream, "Multiplexed": multiplexed}, CHUNK, ready)
+        def stream(width: int):
+            """The handler of a call that yields `width` tokens a message at each tick (grpc.aio takes
+            an async generator function per method)."""
+            async def handler(request, context):
+                if not ticker:  # the clock starts with the first call
+                    ticker.append(asyncio.get_running_loop().create_task(tick()))
+                for i in range(args.tokens):
+                    await ticks[-1].wait()
+                    yield CHUNK(token_ids=[i] * width)
+            return handler
+        await _serve(port, {"PerStream": stream(1), "Multiplexed": stream(args.streams)}, CHUNK, ready)
     asyncio.run(main())
 
 
@@ -125,11 +122,6 @@ async def read_all(port: int, args: argparse.Namespace, method: str) -> int:
     return sum(await asyncio.gather(*[one() for _ in range(args.streams)]))
 
 
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(args: argparse.Namespace, method: str) -> dict:
     ctx = mp.get_context("spawn")  # a fork would copy this process's gRPC state, used by the last run
     ports, ready = [free_port(), free_port()], [ctx.Event(), ctx.Event()]
@@ -139,15 +131,14 @@ def measure(args: argparse.Namespace, method: str) -> dict:
         p.start()
         if not r.wait(60):
             raise RuntimeError(f"the benchmark's {p.name} did not start serving in 60 s")
-    before, mine, start = [cpu_s(p.pid) for p in procs], os.times(), time.perf_counter()
+    pids = {"source": procs[0].pid, "relay": procs[1].pid, "client": os.getpid()}
+    before, start = cpu_seconds(pids), time.perf_counter()
     tokens = asyncio.run(read_all(ports[1], args, method))
-    seconds, after, now = time.perf_counter() - start, [cpu_s(p.pid) for p in procs], os.times()
+    seconds, after = time.perf_counter() - start, cpu_seconds(pids)
     for p in procs:
         p.terminate()
         p.join()
-    client = (now.user + now.system) - (mine.user + mine.system)
-    us = {name: round(1e6 * t / tokens, 1) for name, t in
-          (("source", after[0] - before[0]), ("relay", after[1] - before[1]), ("client", client))}
+    us = {name: round(1e6 * (after[name] - before[name]) / tokens, 1) for name in pids}
     return {"layout": method, "tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1), "cpu_us_per_token": us,
             "total_us_per_token": round(sum(us.values()), 1)}

@@ -18,6 +18,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -255,13 +257,21 @@ def _closed_within(sock: socket.socket, deadline_s: float) -> tuple[bool, bytes]
     return False, got
 
 
-async def _slow_clients() -> None:
-    dead = f"127.0.0.1:{free_port()}"  # no workers needed: the request never gets that far
-    settings = GatewayConfig(limits=RequestLimits(http_header_timeout_s=1, http_body_timeout_s=1))
+@asynccontextmanager
+async def _workerless_http_gateway(settings: GatewayConfig | None = None) -> AsyncIterator[int]:
+    """A gateway whose workers are not there (the requests here never get that far); its HTTP port."""
+    dead = f"127.0.0.1:{free_port()}"
     server, _ = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0",
                                            settings=settings)
-    port = gateway_server.http_server(server).port
     try:
+        yield gateway_server.http_server(server).port
+    finally:
+        await gateway_server.stop(server, grace_s=1)
+
+
+async def _slow_clients() -> None:
+    settings = GatewayConfig(limits=RequestLimits(http_header_timeout_s=1, http_body_timeout_s=1))
+    async with _workerless_http_gateway(settings) as port:
         # The server's timeouts are 1 s; 30 s is the deadline for noticing, on any machine.
         with socket.create_connection(("127.0.0.1", port)) as half_header:
             half_header.sendall(b"GET /health HTTP/1.1\r\nHost: loc")
@@ -278,8 +288,6 @@ async def _slow_clients() -> None:
             # the margin is for a slow machine: both bounds are the server's clock, not this one's work.
             held = time.monotonic() - start
             assert held < 1 + LINGER_S + 5, f"the connection stayed open {held:.1f} s after its body stalled"
-    finally:
-        await gateway_server.stop(server, grace_s=1)
 
 
 def test_slow_clients_are_disconnected():
@@ -287,20 +295,15 @@ def test_slow_clients_are_disconnected():
 
 
 async def _malformed_requests(raw_requests: list[bytes]) -> list[bytes]:
-    """What a gateway's HTTP server answers each raw request (no workers: none gets that far)."""
-    dead = f"127.0.0.1:{free_port()}"
-    server, _ = await gateway_server.serve("127.0.0.1:0", dead, dead, None, None, http_bind="127.0.0.1:0")
-    port = gateway_server.http_server(server).port
+    """What a gateway's HTTP server answers each raw request."""
     replies = []
-    try:
+    async with _workerless_http_gateway() as port:
         for raw in raw_requests:
             with socket.create_connection(("127.0.0.1", port)) as sock:
                 sock.sendall(raw)
                 closed, reply = await asyncio.to_thread(_closed_within, sock, 30)
                 assert closed, raw[:60]
                 replies.append(reply)
-    finally:
-        await gateway_server.stop(server, grace_s=1)
     return replies
 
 

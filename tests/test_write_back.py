@@ -25,6 +25,7 @@ from pdserve.runtime.loader import load_checkpoint
 from pdserve.v1 import common_pb2, worker_pb2
 from pdserve.worker_common import TransferCounters, Worker
 from prefill.service import PrefillServicer
+from waiting import wait_until_async
 
 BS = 16
 STREAMS = 8
@@ -83,7 +84,7 @@ def test_every_filled_block_is_written_back_and_concurrent_fills_go_out_together
             fmt = decode.kv_format
             chains = [fmt.reusable_hashes(p + out) for p, out in zip(prompts, outputs)]
             generated = [h for chain in chains for h in chain[2:]]  # the blocks past the prompts' two
-            await asyncio.wait_for(_written(decoder), 30)
+            await _written(decoder)
             present = await decode.kv.presence([h for chain in chains for h in chain])
             stats = await decode.kv.stats()
             queue = decoder.write_queue
@@ -112,9 +113,9 @@ def test_a_sequence_prefilled_on_the_decode_worker_writes_only_the_blocks_the_st
         async with _kvstore_and_workers(checkpoint) as (prefill, decode):
             decoder = DecodeServicer(decode, write_back=True)
             await _decode(PrefillServicer(prefill), decoder, earlier, "earlier")
-            await asyncio.wait_for(_written(decoder), 30)
+            await _written(decoder)
             out = await _local_decode(decoder, prompt, "resumed")
-            await asyncio.wait_for(_written(decoder), 30)
+            await _written(decoder)
             chain = decode.kv_format.reusable_hashes(prompt + out)
             return await decode.kv.presence(chain), decoder.write_queue.lookups, await decode.kv.stats()
 
@@ -126,16 +127,9 @@ def test_a_sequence_prefilled_on_the_decode_worker_writes_only_the_blocks_the_st
 
 async def _written(decoder: DecodeServicer) -> None:
     """Until the write-back queue has nothing waiting and no write in flight."""
-    while not decoder.write_queue.idle:
-        await asyncio.sleep(0.01)
-
-
-async def _present_within(worker: Worker, hashes: list[bytes], timeout_s: float) -> list[bool]:
-    """The store's presence of `hashes` once all are there, or as last seen at the deadline."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not all(present := await worker.kv.presence(hashes)) and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.05)
-    return present
+    async def idle() -> bool:
+        return decoder.write_queue.idle
+    assert await wait_until_async(idle, 30), "the write-back queue still had blocks waiting after 30 s"
 
 
 def _paused_decode_scenario(batch_blocks: int, max_wait_s: float,
@@ -164,7 +158,7 @@ def _paused_decode_scenario(batch_blocks: int, max_wait_s: float,
             first_generated = decode.kv_format.reusable_hashes(prompt + tokens)[2]
             seen = await paused(decode, decoder, first_generated)
             tokens.extend([t async for chunk in stream for t in chunk.token_ids])
-            await asyncio.wait_for(_written(decoder), 30)  # the end sent what waited
+            await _written(decoder)  # the end sent what waited
             return seen, all(await decode.kv.presence(decode.kv_format.reusable_hashes(prompt + tokens)))
     return asyncio.run(scenario())
 
@@ -183,9 +177,11 @@ def test_a_filled_block_waits_for_others_and_a_finished_sequence_writes_at_once(
 
 def test_a_filled_block_is_written_within_the_longest_wait_while_its_sequence_runs():
     """What a crash can lose is bounded: with no batch and no end in sight, the timer sends it."""
-    async def paused(decode: Worker, decoder: DecodeServicer, block: bytes) -> list[bool]:
-        return await _present_within(decode, [block], 20.0)
+    async def paused(decode: Worker, decoder: DecodeServicer, block: bytes) -> bool:
+        async def written() -> bool:
+            return (await decode.kv.presence([block]))[0]
+        return await wait_until_async(written, 20.0)
 
     present_while_running, all_present = _paused_decode_scenario(10_000, 0.2, paused)
-    assert present_while_running == [True], "the waiting block was never written while its sequence ran"
+    assert present_while_running is True, "the waiting block was not written within 20 s while its sequence ran"
     assert all_present

@@ -4,8 +4,9 @@ faster or slower)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -18,4 +19,12 @@ def wait_until(condition: Callable[[], T], timeout_s: float = 10.0) -> T:
     deadline = time.monotonic() + timeout_s
     while not (value := condition()) and time.monotonic() < deadline:
         time.sleep(POLL_S)
+    return value
+
+
+async def wait_until_async(condition: Callable[[], Awaitable[T]], timeout_s: float = 10.0) -> T:
+    """`wait_until` on a running event loop, for a condition that awaits (a store's presence check)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := await condition()) and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
     return value
